@@ -1,0 +1,20 @@
+"""Feature registry: one module per feature, listed here in the order they are applied."""
+
+from __future__ import annotations
+
+from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, FeatureConfigError, Flag
+from hyper_adaptor.features.compat import Compat
+
+# Fixed, documented application order (torchtitan style): compatibility first, then kernels,
+# then parallel / memory algorithms.
+FEATURES: tuple[Feature, ...] = (Compat(),)
+
+
+def get(name: str) -> Feature:
+    for feature in FEATURES:
+        if feature.name == name:
+            return feature
+    raise KeyError(f"no feature named {name!r}; known: {', '.join(f.name for f in FEATURES)}")
+
+
+__all__ = ["DEFAULT_LEVEL", "FEATURES", "Feature", "FeatureConfigError", "Flag", "LEVEL_NAMES", "get"]

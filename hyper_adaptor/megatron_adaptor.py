@@ -1,0 +1,198 @@
+"""The one line: ``import hyper_adaptor.megatron_adaptor`` (after ``import torch``).
+
+On import it applies level 0 at once — so that ``import megatron.core`` / ``megatron.training``
+work on the detected accelerator — and hooks megatron.training's argument handling:
+
+* ``add_megatron_arguments`` (looked up by ``parse_args`` at call time, so a seam that works for
+  Megatron-LM's own pretrain scripts, which pass their own ``extra_args_provider``) also adds
+  ``--optimization-level`` and every feature's flags;
+* ``validate_args`` first switches platform-unworkable defaults and validates the features, then runs
+  Megatron's own checks, then applies the selected features' patches.
+
+Frameworks that build Megatron's arguments themselves call ``hyper_adaptor.adapt(args)``.
+Checkpoint writers that re-import the main script re-run this import, so they get level 0 too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.metadata
+import logging
+import sys
+
+import torch  # noqa: F401  (the adaptor is imported after torch, as in Megatron's scripts)
+
+from hyper_adaptor import SUPPORTED_MEGATRON_CORE, features, platform
+from hyper_adaptor.features import DEFAULT_LEVEL, FEATURES, FeatureConfigError
+from hyper_adaptor.patch_manager import Patch, PatchManager
+from hyper_adaptor.patches.compat import arguments as compat_arguments
+from hyper_adaptor.patches.compat import imports as compat_imports
+
+logger = logging.getLogger("hyper_adaptor")
+FEATURE = "adaptor"
+
+
+def megatron_core_version() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    version = version if version is not None else megatron_core_version()
+    if version is None:
+        raise RuntimeError(
+            "hyper_adaptor needs megatron-core "
+            f"{' or '.join(SUPPORTED_MEGATRON_CORE)}; it is not installed (see DEVELOPERS.md for the recipe)"
+        )
+    if version not in SUPPORTED_MEGATRON_CORE:
+        raise RuntimeError(
+            f"hyper_adaptor supports megatron-core {' or '.join(SUPPORTED_MEGATRON_CORE)}; "
+            f"the installed megatron-core is {version}"
+        )
+    return version
+
+
+def _notice(message: str) -> None:
+    # One line per notice, on rank 0 only when distributed is up (notices are the same everywhere).
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if torch.distributed.get_rank() != 0:
+            return
+    print(f"[hyper_adaptor] {message}", flush=True)
+
+
+def _preselected_device() -> str | None:
+    """``--device-type`` must be known before megatron is imported, i.e. before argparse runs."""
+    argv = sys.argv[1:]
+    for i, token in enumerate(argv):
+        if token == "--device-type" and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith("--device-type="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("hyper_adaptor")
+    group.add_argument(
+        "--optimization-level",
+        type=int,
+        default=DEFAULT_LEVEL,
+        help="0: compatibility only; 1: + fused kernels; 2: + parallel and memory algorithms (default 2).",
+    )
+    for feature in FEATURES:
+        feature.add_arguments(parser)
+    return parser
+
+
+def _with_adaptor_flags(original):
+    @functools.wraps(original)
+    def add_megatron_arguments(parser):
+        return _add_flags(original(parser))
+
+    return add_megatron_arguments
+
+
+class Adaptor:
+    """Process-wide state: one patch manager, level 0 applied once, features applied once."""
+
+    def __init__(self):
+        self.manager: PatchManager | None = None
+        self.applied_features: set[str] = set()
+        self.device_type: str | None = None
+
+    def bootstrap(self) -> None:
+        if self.manager is not None:
+            return
+        for message in compat_imports.install():
+            _notice(message)
+        version = check_megatron_version()
+        self.device_type = platform.select_device_type(_preselected_device())
+        if self.device_type == "npu":
+            from hyper_adaptor.platform import npu
+
+            npu.enable_transfer_to_npu()
+        self.manager = PatchManager(version_info=lambda: f"megatron-core {version}")
+        compat = features.get("compat")
+        self.manager.register_all(compat.patches(None))
+        self.manager.register_all(
+            [
+                Patch("megatron.training.arguments.add_megatron_arguments", _with_adaptor_flags, "wrap", FEATURE),
+                Patch("megatron.training.arguments.validate_args", _validating_features, "wrap", FEATURE),
+            ]
+        )
+        self.manager.apply()
+        self.applied_features.add(compat.name)
+        if self.device_type == "cpu":
+            from hyper_adaptor.patches.compat import megatron_core
+
+            megatron_core.install_rng_log_filter()
+
+    def prepare(self, args) -> None:
+        """Fill missing flags, switch unworkable defaults, validate levels and features."""
+        if not hasattr(args, "optimization_level"):
+            args.optimization_level = DEFAULT_LEVEL
+        if args.optimization_level not in (0, 1, 2):
+            raise FeatureConfigError(
+                f"--optimization-level must be 0, 1 or 2; got {args.optimization_level!r}"
+            )
+        for feature in FEATURES:
+            feature.fill_defaults(args)
+        if getattr(args, "device_type", "auto") not in ("auto", self.device_type):
+            raise FeatureConfigError(
+                f"--device-type {args.device_type} differs from the device chosen at import "
+                f"({self.device_type}); pass it on the command line or set HYPER_ADAPTOR_DEVICE"
+            )
+        for feature in FEATURES:
+            if feature.requested(args) and feature.level > args.optimization_level:
+                flags = ", ".join(f.name for f in feature.flags)
+                raise FeatureConfigError(
+                    f"{flags} ({feature.name}) is a level-{feature.level} feature but "
+                    f"--optimization-level is {args.optimization_level}; raise the level or drop the flag"
+                )
+            if feature.is_enabled(args):
+                feature.validate(args)
+        for message in compat_arguments.switch_unworkable_defaults(args, self.device_type):
+            _notice(message)
+
+    def apply_features(self, args) -> list[str]:
+        """Apply every enabled feature's patches (once each); returns the names applied now."""
+        newly = []
+        for feature in FEATURES:
+            if feature.name in self.applied_features or not feature.is_enabled(args):
+                continue
+            self.manager.register_all(feature.patches(args))
+            newly.append(feature.name)
+        self.manager.apply()
+        for name in newly:
+            features.get(name).on_applied(args)
+            self.applied_features.add(name)
+        return newly
+
+
+ADAPTOR = Adaptor()
+
+
+def _validating_features(original):
+    @functools.wraps(original)
+    def validate_args(args, defaults={}):  # noqa: B006  (megatron's own signature)
+        ADAPTOR.prepare(args)
+        result = original(args, defaults)
+        ADAPTOR.apply_features(args)
+        return result
+
+    return validate_args
+
+
+def adapt(args):
+    """For frameworks that build Megatron's argument namespace themselves: validate the features'
+    flags on ``args`` and apply the selected patches. Idempotent. Returns ``args``."""
+    ADAPTOR.bootstrap()
+    ADAPTOR.prepare(args)
+    ADAPTOR.apply_features(args)
+    return args
+
+
+ADAPTOR.bootstrap()

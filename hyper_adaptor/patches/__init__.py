@@ -1,0 +1,1 @@
+"""Megatron-facing replacement code, grouped by the megatron area (or compat concern) it adapts."""

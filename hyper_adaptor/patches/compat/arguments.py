@@ -1,0 +1,65 @@
+"""Megatron argument defaults that cannot work on the detected platform, switched to what does.
+
+Runs on the parsed namespace before megatron.training validates it, so that a Megatron-LM command
+line runs unchanged apart from the hardware it lands on. Each switch returns one notice, logged once.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def have_transformer_engine() -> bool:
+    return _installed("transformer_engine")
+
+
+def have_apex_kernel(name: str) -> bool:
+    """Apex's compiled CUDA extensions are top-level modules (e.g. ``fused_layer_norm_cuda``); the
+    unrelated PyPI package called ``apex`` has none of them, so look for the kernel, not the name."""
+    return _installed(name)
+
+
+def switch_unworkable_defaults(args, device_type: str) -> list[str]:
+    """Adjust ``args`` in place; returns one notice per switch made."""
+    notices = []
+
+    def switch(name, value, why):
+        old = getattr(args, name)
+        setattr(args, name, value)
+        notices.append(f"--{name.replace('_', '-')}: {old!r} -> {value!r} ({why})")
+
+    backend = {"cpu": "gloo", "npu": "hccl"}.get(device_type)
+    if backend and getattr(args, "distributed_backend", backend) != backend:
+        switch("distributed_backend", backend, f"the {device_type} platform's collective backend")
+
+    if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_transformer_engine():
+        switch("transformer_impl", "local", "transformer_engine is not installed")
+
+    on_cuda_with = lambda kernel: device_type == "cuda" and have_apex_kernel(kernel)  # noqa: E731
+    # megatron derives persist_layer_norm = not no_persist_layer_norm (on by default).
+    if not getattr(args, "no_persist_layer_norm", True) and not on_cuda_with("fast_layer_norm"):
+        switch("no_persist_layer_norm", True, "the persistent layer-norm kernel needs apex on CUDA")
+
+    if getattr(args, "gradient_accumulation_fusion", False) and not (
+        on_cuda_with("fused_weight_gradient_mlp_cuda") or (device_type == "cuda" and have_transformer_engine())
+    ):
+        switch(
+            "gradient_accumulation_fusion",
+            False,
+            "its fused weight-gradient kernel needs apex or transformer_engine on CUDA",
+        )
+
+    if getattr(args, "masked_softmax_fusion", False) and not on_cuda_with("scaled_masked_softmax_cuda"):
+        switch("masked_softmax_fusion", False, "the fused masked softmax kernel needs apex on CUDA")
+
+    if getattr(args, "apply_rope_fusion", False) and not (device_type == "cuda" and have_transformer_engine()):
+        switch("apply_rope_fusion", False, "fused RoPE needs transformer_engine on CUDA")
+
+    return notices

@@ -1,0 +1,99 @@
+"""Level-0 patches on megatron.training: start-up on a process without CUDA, and host-side RNG.
+
+Argument defaults that cannot work on the platform are switched in ``arguments.py`` (of this
+package), before megatron validates them; the patches here are the run-time seams.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+
+from hyper_adaptor.patch_manager import Patch
+
+FEATURE = "compat"
+logger = logging.getLogger("hyper_adaptor.compat")
+
+
+def _allow_host_only(original):
+    """``initialize_megatron`` asserts CUDA unless told ``allow_no_cuda``; on the CPU platform the
+    emulated device is the host, so tell it."""
+
+    @functools.wraps(original)
+    def initialize(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize
+
+
+def _skip_make_when_prebuilt(original):
+    """Rank 0 runs ``make`` to build the dataset helpers, but the megatron-core wheel ships them
+    prebuilt and no Makefile: building fails on every platform. Build only when they are missing."""
+
+    @functools.wraps(original)
+    def compile_helpers(*args, **kwargs):
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+            logger.info("megatron dataset helpers are prebuilt in the wheel; not running make")
+            return None
+        return original(*args, **kwargs)
+
+    return compile_helpers
+
+
+def _warm_up_without_moving_host_rng(original):
+    """The JIT warm-up draws random inputs on the device with shapes that depend on the TP size. On a
+    GPU that moves the CUDA generator only; on the host platform it would move the generator that
+    ``--use-cpu-initialization`` initialises weights from, so TP1 and TP2 would start from
+    different weights. Run it with the host RNG state saved and restored."""
+
+    @functools.wraps(original)
+    def warm_up(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return original(*args, **kwargs)
+
+    return warm_up
+
+
+def _host_generator_for_data_loader(original):
+    """Starting a DataLoader iterator draws a seed from the default generator. On a GPU that is the
+    host generator, which dropout never reads; on the host platform it is the one dropout reads, so a
+    resumed run (which creates its iterator after restoring RNG state) would drift from the
+    uninterrupted one. Give the loader a generator of its own, seeded from ``--seed``."""
+
+    @functools.wraps(original)
+    def build(*args, **kwargs):
+        loader = original(*args, **kwargs)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            from megatron.training import get_args
+
+            loader.generator = torch.Generator().manual_seed(int(get_args().seed))
+        return loader
+
+    return build
+
+
+def patches(device_type: str) -> list[Patch]:
+    result = [
+        Patch("megatron.core.datasets.utils.compile_helpers", _skip_make_when_prebuilt, "wrap", FEATURE),
+    ]
+    if device_type == "cpu":
+        result += [
+            Patch("megatron.training.initialize.initialize_megatron", _allow_host_only, "wrap", FEATURE),
+            Patch(
+                "megatron.training.initialize._warmup_jit_function",
+                _warm_up_without_moving_host_rng,
+                "wrap",
+                FEATURE,
+            ),
+            Patch(
+                "megatron.training.datasets.data_samplers.build_pretraining_data_loader",
+                _host_generator_for_data_loader,
+                "wrap",
+                FEATURE,
+            ),
+        ]
+    return result

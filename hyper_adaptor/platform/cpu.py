@@ -1,0 +1,250 @@
+"""CPU as Megatron's "cuda" device: what level 0 patches in torch on a process without an accelerator.
+
+megatron-core addresses its device through ``torch.cuda`` (about 200 ``current_device()`` calls,
+``device="cuda"`` literals, streams, events, RNG state). On a CPU-only build those calls assert or,
+worse, are queued lazily and never run (``torch.cuda.manual_seed``), which silently disables the
+tensor-parallel RNG tracker. Here ``torch.cuda`` answers as one emulated device backed by the host:
+
+* device queries and placement: ``current_device() == 0``, ``device_count() == 1``; tensor factories,
+  ``Tensor.to`` / ``Tensor.cuda`` and friends map "cuda", "cuda:N" and bare indices to "cpu" — the
+  same mechanism torch_npu's ``transfer_to_npu`` uses to map "cuda" to "npu", chosen over a
+  TorchFunctionMode because it holds on every thread (autograd, checkpoint writers) and costs only
+  on factory calls;
+* streams and events are host no-ops (CPU kernels run synchronously);
+* RNG: the "cuda" generator *is* the CPU default generator, so that forking it really changes what
+  dropout draws.
+
+``torch.cuda.is_available()`` keeps saying False: torch itself and user code keep their CPU paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import types
+
+import torch
+
+from hyper_adaptor.patch_manager import Patch
+
+FEATURE = "compat"
+_CPU = torch.device("cpu")
+
+
+def map_device(device):
+    """The host device for anything that names the emulated "cuda" device; others unchanged."""
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return _CPU
+    if isinstance(device, str):
+        return _CPU if device.split(":", 1)[0] == "cuda" else device
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return _CPU
+    return device
+
+
+def _factory(original):
+    """Wrap a tensor factory so that its ``device=`` keyword lands on the host."""
+
+    @functools.wraps(original)
+    def on_host(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = map_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # pinning needs an accelerator; host memory is already "pinned"
+        return original(*args, **kwargs)
+
+    return on_host
+
+
+def _tensor_to(original):
+    @functools.wraps(original)
+    def to(self, *args, **kwargs):
+        if args and isinstance(args[0], (str, int, torch.device)) and not isinstance(args[0], bool):
+            args = (map_device(args[0]),) + args[1:]
+        if "device" in kwargs:
+            kwargs["device"] = map_device(kwargs["device"])
+        return original(self, *args, **kwargs)
+
+    return to
+
+
+def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+    return self
+
+
+def _tensor_pin_memory(self, *args, **kwargs):
+    return self
+
+
+class HostEvent:
+    """``torch.cuda.Event`` on the host: work is already complete when recorded."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+        self._time = None
+
+    def record(self, stream=None):
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end_event):
+        return (end_event._time - self._time) * 1000.0
+
+
+class HostStream:
+    """``torch.cuda.Stream`` on the host: one in-order queue, so every wait is already satisfied."""
+
+    device = _CPU
+    cuda_stream = 0
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or HostEvent()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, HostStream)
+
+    def __hash__(self):
+        return 0
+
+
+_HOST_STREAM = HostStream()
+
+
+def _stream_context(stream=None):
+    return contextlib.nullcontext()
+
+
+class _DeviceContext(contextlib.nullcontext):
+    """``torch.cuda.device(idx)``: there is one emulated device, selecting it changes nothing."""
+
+    def __init__(self, device=None):
+        super().__init__()
+
+
+def _get_rng_state(device="cuda"):
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state, device="cuda"):
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed):
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _no_op(*args, **kwargs):
+    return None
+
+
+def _zero(*args, **kwargs):
+    return 0
+
+
+def _peak_memory(*args, **kwargs):
+    from hyper_adaptor import platform
+
+    return platform.peak_memory_bytes()
+
+
+def _current_memory(*args, **kwargs):
+    from hyper_adaptor import platform
+
+    return platform.current_memory_bytes()
+
+
+# Factories that accept device=: each maps "cuda" to the host.
+TENSOR_FACTORIES = (
+    "empty", "empty_strided", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full",
+    "full_like", "tensor", "as_tensor", "arange", "linspace", "logspace", "eye", "rand", "rand_like",
+    "randn", "randn_like", "randint", "randint_like", "randperm", "normal", "scalar_tensor",
+)
+TENSOR_METHOD_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+# torch.cuda.<name> -> host implementation.
+CUDA_NAMESPACE = {
+    "current_device": _zero,
+    "device_count": lambda: 1,
+    "set_device": _no_op,
+    "synchronize": _no_op,
+    "current_stream": lambda device=None: _HOST_STREAM,
+    "default_stream": lambda device=None: _HOST_STREAM,
+    "set_stream": _no_op,
+    "Stream": HostStream,
+    "Event": HostEvent,
+    "stream": _stream_context,
+    "device": _DeviceContext,
+    "empty_cache": _no_op,
+    "is_current_stream_capturing": lambda: False,
+    "get_device_name": lambda device=None: "cpu",
+    "get_device_capability": lambda device=None: (0, 0),
+    "get_rng_state": _get_rng_state,
+    "set_rng_state": _set_rng_state,
+    "manual_seed": _manual_seed,
+    "manual_seed_all": _manual_seed,
+    "memory_allocated": _current_memory,
+    "max_memory_allocated": _peak_memory,
+    "memory_reserved": _current_memory,
+    "max_memory_reserved": _peak_memory,
+    "reset_peak_memory_stats": _no_op,
+    "memory_stats": lambda device=None: {},
+}
+
+
+def _own_copy(impl, name):
+    """torch.compile keys its rules for torch.cuda functions by object identity and refuses one
+    object filed under two names, so every emulated function gets an object of its own."""
+    if not isinstance(impl, types.FunctionType):
+        return impl
+    copy = types.FunctionType(impl.__code__, impl.__globals__, name, impl.__defaults__, impl.__closure__)
+    copy.__qualname__ = f"emulated_cuda.{name}"
+    return copy
+
+
+def torch_patches() -> list[Patch]:
+    """The torch-level patches that make "cuda" mean the host on a CPU-only process."""
+    # megatron reaches these through attribute access on torch / torch.cuda; inside torch.cuda the
+    # same functions are also bound in submodules (torch.cuda.random.get_rng_state, ...).
+    no_rebind = ()
+    patches = [
+        Patch(f"torch.cuda.{name}", _own_copy(impl, name), "replace", FEATURE, rebind_in=("torch.cuda",))
+        for name, impl in CUDA_NAMESPACE.items()
+    ]
+    patches += [Patch(f"torch.{name}", _factory, "wrap", FEATURE, rebind_in=no_rebind) for name in TENSOR_FACTORIES]
+    patches += [
+        Patch(f"torch.Tensor.{name}", _factory, "wrap", FEATURE, rebind_in=no_rebind)
+        for name in TENSOR_METHOD_FACTORIES
+    ]
+    patches += [
+        Patch("torch.Tensor.to", _tensor_to, "wrap", FEATURE, rebind_in=no_rebind),
+        Patch("torch.Tensor.cuda", _tensor_cuda, "replace", FEATURE, rebind_in=no_rebind),
+        Patch("torch.Tensor.pin_memory", _tensor_pin_memory, "replace", FEATURE, rebind_in=no_rebind),
+    ]
+    return patches
