@@ -46,7 +46,7 @@ except ImportError:  # `python examples/corpus.py` from a checkout: the package 
 EOD_ID = 256  # first id after the 256 byte values
 VOCAB_SIZE = 257  # NullTokenizer: vocab_size == N, eod == N - 1 == EOD_ID
 PRETRAIN_TOKENIZER_ARGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB_SIZE)]
-# 8 MiB reads and tokenizes in about a second; the whole 3.11 stdlib is ~30 MB.
+# 8 MiB (~700 files) reads, tokenizes and writes in well under a second; all of 3.11 is ~31 MB.
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
 STAMP_FORMAT = 1  # bump when the layout of the written data changes
 # Directories under the stdlib path that are not the stdlib: third-party code varies per

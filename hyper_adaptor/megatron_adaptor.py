@@ -19,6 +19,7 @@ import argparse
 import functools
 import importlib.metadata
 import logging
+import os
 import sys
 
 import torch  # noqa: F401  (the adaptor is imported after torch, as in Megatron's scripts)
@@ -56,10 +57,10 @@ def check_megatron_version(version: str | None = None) -> str:
 
 
 def _notice(message: str) -> None:
-    # One line per notice, on rank 0 only when distributed is up (notices are the same everywhere).
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_rank() != 0:
-            return
+    # Every rank makes the same switches; say so once, from global rank 0 (RANK is set by torchrun
+    # before any process group exists).
+    if os.environ.get("RANK", "0") != "0":
+        return
     print(f"[hyper_adaptor] {message}", flush=True)
 
 
@@ -129,6 +130,8 @@ class Adaptor:
             from hyper_adaptor.patches.compat import megatron_core
 
             megatron_core.install_rng_log_filter()
+            # megatron asserts this CUDA launch-queue setting for TP/CP; on the host it means nothing.
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     def prepare(self, args) -> None:
         """Fill missing flags, switch unworkable defaults, validate levels and features."""

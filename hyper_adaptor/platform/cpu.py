@@ -160,6 +160,24 @@ def _manual_seed(seed):
     torch.default_generator.manual_seed(int(seed))
 
 
+class HostDeviceProperties:
+    """What ``torch.cuda.get_device_properties`` answers for the host: compute capability 0.0, so
+    any "Ampere or newer" check takes its conservative path."""
+
+    name = "cpu"
+    gcnArchName = "cpu"  # torch.compile's cache key reads this on non-CUDA builds
+    major = 0
+    minor = 0
+
+    def __init__(self, device=None):
+        import os
+
+        import psutil
+
+        self.total_memory = int(psutil.virtual_memory().total)
+        self.multi_processor_count = os.cpu_count() or 1
+
+
 def _no_op(*args, **kwargs):
     return None
 
@@ -205,6 +223,7 @@ CUDA_NAMESPACE = {
     "is_current_stream_capturing": lambda: False,
     "get_device_name": lambda device=None: "cpu",
     "get_device_capability": lambda device=None: (0, 0),
+    "get_device_properties": HostDeviceProperties,
     "get_rng_state": _get_rng_state,
     "set_rng_state": _set_rng_state,
     "manual_seed": _manual_seed,

@@ -1,0 +1,290 @@
+"""A tiny megatron-core GPT trained for a few Adam steps under a given parallel layout.
+
+Used by the parity tests and by bench/level0_overhead.py. Runs inside a rank of ``world.run_world``
+(so the one-line adaptor is already imported). Returns, on every rank, the per-step mean loss and
+the full (TP-gathered, globally named) gradients and parameters after each step, merged over the
+world, so rank 0 can compare them with the single-process reference of the same model and seed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+SEQ = 32
+VOCAB = 128
+MICRO_BATCH = 2
+GLOBAL_BATCH = 8
+LAYERS = 4
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    sequence_parallel: bool = False
+    ddp_overlap: bool = False
+    distributed_optimizer: bool = False
+    bf16: bool = False
+    steps: int = 3
+    dropout: float = 0.0
+    seed: int = 1234
+    extra: dict = field(default_factory=dict)
+
+
+def _batches(step: int, seed: int):
+    """The global batch of ``step``: GLOBAL_BATCH sequences of SEQ+1 tokens, same on every rank."""
+    g = torch.Generator().manual_seed(seed)  # the same batch each step, so the loss must fall
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+    return [tokens[i : i + MICRO_BATCH] for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
+
+
+def _micro_batch_dicts(micro_batches):
+    out = []
+    for mb in micro_batches:
+        out.append(
+            {
+                "tokens": mb[:, :-1].contiguous(),
+                "labels": mb[:, 1:].contiguous(),
+                "position_ids": torch.arange(SEQ).unsqueeze(0).expand(mb.shape[0], SEQ).contiguous(),
+                "attention_mask": torch.tril(torch.ones(1, 1, SEQ, SEQ)) < 0.5,
+            }
+        )
+    return out
+
+
+def build(layout: Layout, init_params: dict | None = None):
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(layout.seed)
+    torch.manual_seed(layout.seed)
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        hidden_dropout=layout.dropout,
+        attention_dropout=layout.dropout,
+        use_cpu_initialization=True,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=layout.sequence_parallel,
+        pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
+        params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
+        bf16=layout.bf16,
+        # PP=2 with VPP needs unbatched P2P (see the PP2-VPP trap test)
+        batch_p2p_comm=not (layout.vpp and layout.pp == 2),
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **layout.extra,
+    )
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        stage = vp_stage if layout.vpp else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),
+            share_embeddings_and_output_weights=True,
+            vp_stage=stage,
+        )
+        if init_params is not None:
+            # Same starting point as the reference: megatron seeds each pipeline stage from the same
+            # CPU generator state, so stage 1 would otherwise draw layers 2-3 from layer 0's numbers.
+            _load_full(model, init_params)
+        if layout.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=layout.ddp_overlap,
+            use_distributed_optimizer=layout.distributed_optimizer,
+            bucket_size=4096 if layout.ddp_overlap else None,
+        )
+        chunks.append(
+            DistributedDataParallel(config, ddp_config, model, disable_bucketing=(vp_stage > 0))
+        )
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            bf16=layout.bf16,
+            params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
+            use_distributed_optimizer=layout.distributed_optimizer,
+        ),
+        chunks,
+    )
+    return config, chunks, optimizer
+
+
+def _global_name(chunk, name: str) -> str:
+    """Parameter name with the global layer index, so stages and chunks line up with the reference."""
+    module = chunk
+    while hasattr(module, "module"):
+        module = module.module
+    match = re.match(r"(?:module\.)*decoder\.layers\.(\d+)\.(.*)", name)
+    if match:
+        layer = module.decoder.layers[int(match.group(1))]
+        return f"decoder.layers.{layer.layer_number - 1}.{match.group(2)}"
+    name = re.sub(r"^(?:module\.)+", "", name)
+    if name == "output_layer.weight" and module.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"  # the tied copy on the last stage
+    return name
+
+
+def _full(tensor, param):
+    """The whole tensor of a TP-partitioned parameter (gathered along its partition dimension)."""
+    from megatron.core import parallel_state as ps
+
+    tensor = tensor.detach().float()
+    if not getattr(param, "tensor_model_parallel", False) or ps.get_tensor_model_parallel_world_size() == 1:
+        return tensor.clone()
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def _load_full(model, full: dict) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = full[_global_name(model, name)]
+            if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+                value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            param.copy_(value)
+
+
+def _snapshot(chunks, what: str) -> dict:
+    out = {}
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            value = param if what == "param" else getattr(param, "main_grad", None)
+            if value is None:
+                continue
+            out[_global_name(chunk, name)] = _full(value, param)
+    return out
+
+
+def _merge_over_world(local: dict) -> dict:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def train(rank: int, world_size: int, layout: Layout, init_params: dict | None = None) -> dict:
+    """Run ``layout.steps`` Adam steps; returns losses, grads and params per step (merged)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    config, chunks, optimizer = build(layout, init_params)
+    config.finalize_model_grads_func = finalize_model_grads
+    if layout.ddp_overlap:
+        config.no_sync_func = [c.no_sync for c in chunks] if len(chunks) > 1 else chunks[0].no_sync
+        config.grad_sync_func = [c.start_grad_sync for c in chunks] if len(chunks) > 1 else chunks[0].start_grad_sync
+
+    dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    num_micro = GLOBAL_BATCH // MICRO_BATCH // dp_size
+    forward_backward = get_forward_backward_func()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    history = {"loss": [], "grads": [], "params": [], "init": _merge_over_world(_snapshot(chunks, "param"))}
+    for step in range(layout.steps):
+        micro = _micro_batch_dicts(_batches(step, layout.seed))
+        mine = micro[dp_rank * num_micro : (dp_rank + 1) * num_micro]
+        iterators = [iter(list(mine)) for _ in chunks]
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=num_micro,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            # the schedule already divides each microbatch's reported loss by num_microbatches
+            loss = torch.stack([d["lm loss"] for d in losses]).sum()
+        else:
+            loss = torch.zeros(())
+        # the loss lives on the last stage; sum over PP, average over DP
+        dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(loss, group=ps.get_data_parallel_group())
+        history["loss"].append(loss.item() / dp_size)
+        if not layout.distributed_optimizer:
+            # (the distributed optimizer keeps only its shard of the reduced gradient)
+            history["grads"].append(_merge_over_world(_snapshot(chunks, "grad")))
+        update_successful, grad_norm, _ = optimizer.step()
+        assert update_successful
+        history["params"].append(_merge_over_world(_snapshot(chunks, "param")))
+    ps.destroy_model_parallel()
+    return history if rank == 0 else {"loss": history["loss"]}
+
+
+def train_many(rank: int, world_size: int, layouts: dict, init_params: dict | None = None) -> dict:
+    """Several layouts one after the other in one world (a world costs ~10 s to start)."""
+    return {name: train(rank, world_size, layout, init_params) for name, layout in layouts.items()}
+
+
+def compare(reference: dict, result: dict, loss_rtol: float, grad_atol: float, param_atol: float) -> list[str]:
+    """Differences beyond tolerance, as readable lines (empty when the run matches)."""
+    problems = []
+    for step, (want, got) in enumerate(zip(reference["loss"], result["loss"])):
+        if abs(want - got) > loss_rtol * abs(want):
+            problems.append(f"step {step}: loss {got!r} vs reference {want!r}")
+    for kind, atol in (("grads", grad_atol), ("params", param_atol)):
+        for step, got in enumerate(result.get(kind, [])):
+            want = reference[kind][step]
+            if set(got) != set(want):
+                problems.append(f"step {step}: {kind} names differ: {sorted(set(want) ^ set(got))[:4]}")
+                continue
+            for name, tensor in want.items():
+                diff = (tensor - got[name]).abs().max().item()
+                if diff > atol:
+                    problems.append(f"step {step}: {kind} {name} max |diff| {diff:.3g} > {atol}")
+    return problems

@@ -1,0 +1,110 @@
+"""Spawn a real gloo world on CPU with a free port and a hard timeout.
+
+Each rank imports the one-line adaptor first (as a pretrain script would), then runs
+``module:function(rank, world_size, **kwargs)``; rank results come back to the parent. A rank that
+raises fails the world with its traceback; a world that does not finish in ``timeout`` seconds is
+killed and reported as a hang — never a stuck CI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, target, kwargs, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line, before megatron)
+
+        module_name, fn_name = target.split(":")
+        fn = getattr(importlib.import_module(module_name), fn_name)
+        result = fn(rank, world_size, **kwargs)
+        # serialise to bytes: tensors sent as-is would be shared through file descriptors that
+        # vanish when this process exits
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001  (report everything to the parent)
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class WorldError(RuntimeError):
+    pass
+
+
+def run_world(world_size: int, target: str, timeout: float = 300, **kwargs) -> list:
+    """Run ``target`` on ``world_size`` spawned ranks; returns the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, target, kwargs, queue), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorldError(
+                    f"world of {world_size} running {target} hung: no result after {timeout:.0f}s "
+                    f"from ranks {sorted(set(range(world_size)) - set(results))}"
+                )
+            try:
+                rank, status, payload = queue.get(timeout=min(remaining, 5))
+            except queue_module.Empty:
+                if all(p.exitcode is not None for p in procs) and queue.empty():
+                    codes = [p.exitcode for p in procs]
+                    raise WorldError(f"{target}: ranks exited (codes {codes}) without a result")
+                continue
+            if status == "ok":
+                import torch
+
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors.append(f"rank {rank}:\n{payload}")
+                break  # one failure is enough; the others may be waiting on it
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise WorldError(f"{target} failed on a rank:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
