@@ -80,6 +80,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--optimization-level",
         type=int,
+        choices=(0, 1, 2),
         default=DEFAULT_LEVEL,
         help="0: compatibility only; 1: + fused kernels; 2: + parallel and memory algorithms (default 2).",
     )

@@ -33,6 +33,7 @@ class Layout:
     steps: int = 3
     dropout: float = 0.0
     seed: int = 1234
+    batch_p2p_comm: bool | None = None  # None: unbatched for PP=2 with VPP (see the PP2-VPP trap test)
     extra: dict = field(default_factory=dict)
 
 
@@ -88,8 +89,9 @@ def build(layout: Layout, init_params: dict | None = None):
         pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
         params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
         bf16=layout.bf16,
-        # PP=2 with VPP needs unbatched P2P (see the PP2-VPP trap test)
-        batch_p2p_comm=not (layout.vpp and layout.pp == 2),
+        batch_p2p_comm=(
+            not (layout.vpp and layout.pp == 2) if layout.batch_p2p_comm is None else layout.batch_p2p_comm
+        ),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

@@ -1,0 +1,588 @@
+"""Level-0 overhead on CPU: a megatron-core GPT training step under the adaptor's full level 0,
+against the same step under only the patches Megatron needs to run on this machine at all.
+
+Run from the repository root::
+
+    python bench/level0_overhead.py                 # default, about 2 minutes on 2 cores
+    python bench/level0_overhead.py --quick         # smoke run, about 20 s
+    python bench/level0_overhead.py --find-minimum  # re-derive MINIMUM_TARGETS (about 1 minute)
+
+What is compared
+----------------
+Level 0 ("compat") is everything ``import hyper_adaptor.megatron_adaptor`` applies so that megatron
+runs unchanged here: on CPU the ``torch.cuda`` emulation of ``platform/cpu.py: torch_patches()``
+plus ``patches/compat/megatron_core.py: patches()`` and ``patches/compat/megatron_training.py:
+patches()`` — the list ``features.compat.Compat.patches()`` returns — and the RNG log filter that
+``Adaptor.bootstrap`` installs next to them. Some of those patches are *necessary*: without them
+megatron-core cannot build or step a model on a CPU-only torch at all (``torch.cuda.current_device()``
+asserts, ``device="cuda"`` factories raise, ...). Any CPU port has to pay for those in some form,
+so they are not overhead of this adaptor; they are the anchor. The rest — the wrappers that map
+devices on every tensor factory, the RNG fixes that make forking real, the type-name view around
+the optimizer, the argument checks and notices — is what level 0 adds on top, and that is what the
+ratio ``median(full level 0) / median(minimum)`` measures.
+
+The minimum set (MINIMUM_TARGETS below) is found empirically, not chosen: ``--find-minimum``
+starts from the full level-0 list and removes the patches one at a time, in list order; a patch
+stays out when, without it, the same model still builds and trains two steps without an
+exception and with a finite loss (initialising megatron's model-parallel state, building the GPT,
+DDP and optimizer, and stepping are all done under the candidate set). This greedy pass leaves a
+set that runs and from which no single patch can be dropped. Because the search runs in one process
+(where a cache filled earlier could hide a need), the result is then checked again in a fresh
+process that applies nothing but the minimum before it imports megatron's model code. The search
+prints the reason each kept patch is needed — the error megatron raises without it.
+
+"Runs" is the criterion, not "is correct": a patch whose absence only makes results wrong is *not*
+in the minimum. The one such case on the step path is ``_set_cuda_rng_state``: without it megatron
+queues the RNG restore of every ``get_cuda_rng_tracker().fork()`` through ``torch.cuda._lazy_call``,
+which on a CPU build never runs (the tracker silently never forks) and records a stack trace per
+call. The minimum therefore carries megatron's own (wrong and not free) behaviour there, which is
+what "without the patch" honestly means; ``--find-minimum`` also reports which patches are merely
+unused by this step.
+
+Found on 2025-07-18 with megatron-core 0.19.2, torch 2.13.0+cpu, Python 3.11, the model below
+(local spec, TP1 PP1, world of one, gloo), the minimum is the 9 patches in MINIMUM_TARGETS:
+``torch.cuda.current_device`` (megatron places every buffer on it), ``torch.cuda.get_rng_state`` and
+``torch.cuda.manual_seed`` (the TP RNG tracker is seeded and forked through them),
+``torch.cuda.get_device_properties`` / ``device_count`` style queries are *not* needed by this step,
+and the tensor-factory wrappers megatron calls with ``device="cuda"`` / ``device=current_device()``
+— see the constant for the exact list and ``--find-minimum`` output for each reason.
+
+How it is measured
+------------------
+One process, world of one (gloo), TP1 PP1. The model, DDP wrapper and optimizer are built once,
+under the full level-0 set, and reused by both configurations: the two then run on the very same
+tensors and buffers, so the only difference between them is which patches are active *during the
+step* — the per-step cost this benchmark is about (what level 0 costs at build time is paid once per
+run, and a model built under the minimum set would differ only in where its buffers happen to lie
+in memory). Nothing built keeps a reference to a patched function: megatron looks ``torch.cuda.*``
+and the factories up at call time, and device arguments are stored as plain ``0`` / ``"cpu"``.
+
+After a warm-up under each configuration, rounds alternate the two (apply minimum, time ``--steps``
+steps, undo, apply full, time ``--steps`` steps, undo; odd rounds run the full set first) so that
+machine drift and order effects fall on both alike. The first step after each switch is not
+timed. A step is what megatron.training's ``train_step`` does with a megatron-core model:
+``zero_grad_buffer``, ``optimizer.zero_grad``, ``get_forward_backward_func()(...)`` over the
+micro-batches (forward, backward, DDP grad finalisation) and ``optimizer.step()`` (Adam,
+clip_grad=1.0). The reported figure per configuration is the median over all timed steps (p10 and
+p90 beside it), and the ratio is full / minimum. Target: ratio <= 1.03.
+
+``main(argv)`` returns the result dict (the JSON that is written), so a test can run ``--quick``
+in a subprocess-free way — but never in a process that has imported ``hyper_adaptor.megatron_adaptor``
+(that one has level 0 applied for good, so there is no minimum to compare against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform as py_platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:  # `python bench/level0_overhead.py` puts bench/ first, not the root
+    sys.path.insert(0, str(REPO_ROOT))
+
+from hyper_adaptor import platform as ha_platform  # noqa: E402
+from hyper_adaptor.patch_manager import Patch, PatchManager  # noqa: E402
+from hyper_adaptor.patches.compat import imports as compat_imports  # noqa: E402
+
+TARGET_RATIO = 1.03
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "level0_overhead.json"
+
+# The model: sized so that one step (2 micro-batches) takes roughly 50-200 ms on a 2-core CPU.
+HIDDEN = 256
+HEADS = 8
+FFN = 1024
+LAYERS = 4
+SEQ = 128
+MICRO_BATCH = 2
+NUM_MICRO = 2
+VOCAB = 1024
+SEED = 1234
+
+# Found by `python bench/level0_overhead.py --find-minimum` on 2025-07-18 (megatron-core 0.19.2,
+# torch 2.13.0+cpu, Python 3.11). Each entry is a level-0 patch target without which the step above
+# does not run on CPU; see the module docstring for how and why.
+MINIMUM_TARGETS: tuple[str, ...] = ()
+# Fingerprint of the level-0 target list the minimum was derived from; when level 0 changes the
+# run still measures (new patches count as overhead) but says that the minimum should be re-found.
+MINIMUM_FROM_LEVEL0 = ""
+
+DEFAULTS = {"steps": 20, "rounds": 8, "warmup": 4}
+QUICK = {"steps": 5, "rounds": 3, "warmup": 2}
+
+
+# --- set-up ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bootstrap() -> None:
+    """What Adaptor.bootstrap does before it patches: the import shims and the device choice."""
+    if "hyper_adaptor.megatron_adaptor" in sys.modules:
+        raise RuntimeError(
+            "hyper_adaptor.megatron_adaptor is imported in this process, so level 0 is applied for "
+            "good and there is no minimum to compare with; run the benchmark in a fresh process"
+        )
+    compat_imports.install()
+    ha_platform.select_device_type("cpu")
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+
+
+def level0_patches() -> list[Patch]:
+    """The full level-0 list, exactly as the adaptor builds it (Compat.patches)."""
+    from hyper_adaptor import features
+
+    return list(features.get("compat").patches(None))
+
+
+def level0_fingerprint(patches: list[Patch]) -> str:
+    text = "\n".join(f"{p.target} {p.kind}" for p in patches)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _manager(patches: list[Patch]) -> PatchManager:
+    manager = PatchManager()
+    manager.register_all(patches)
+    return manager
+
+
+class Config:
+    """One patch set plus the non-patch part of level 0 (the RNG log filter) when it is level 0."""
+
+    def __init__(self, name: str, patches: list[Patch], with_log_filter: bool):
+        self.name, self.patches, self.with_log_filter = name, patches, with_log_filter
+        self.manager = _manager(patches)
+
+    def __enter__(self):
+        self.manager.apply()
+        if self.with_log_filter:
+            from hyper_adaptor.patches.compat import megatron_core
+
+            megatron_core.install_rng_log_filter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.with_log_filter:
+            from hyper_adaptor.patches.compat import megatron_core
+
+            logging.getLogger(megatron_core.RNG_MODULE).removeFilter(megatron_core._HOST_FORK_FILTER)
+        self.manager.undo()
+        return False
+
+
+def _init_distributed() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    return True
+
+
+def _init_model_parallel() -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.get_cuda_rng_tracker().reset()
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)
+
+
+def build_training():
+    """GPTModel (local spec) in Megatron's DDP, with megatron's Adam; returns (config, model, optimizer)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        use_cpu_initialization=True,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        # fused kernels are level 1; level 0 runs megatron's unfused torch paths
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=True,
+    )
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, params_dtype=torch.float32),
+        [ddp],
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    return config, ddp, optimizer
+
+
+def make_batches():
+    """NUM_MICRO fixed micro-batches (data loading is not what is compared)."""
+    g = torch.Generator().manual_seed(SEED)
+    tokens = torch.randint(0, VOCAB, (NUM_MICRO * MICRO_BATCH, SEQ + 1), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ).contiguous()
+    mask = torch.tril(torch.ones(1, 1, SEQ, SEQ)) < 0.5
+    return [
+        {
+            "tokens": tokens[i : i + MICRO_BATCH, :-1].contiguous(),
+            "labels": tokens[i : i + MICRO_BATCH, 1:].contiguous(),
+            "position_ids": position_ids,
+            "attention_mask": mask,
+        }
+        for i in range(0, NUM_MICRO * MICRO_BATCH, MICRO_BATCH)
+    ]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return output, loss_func
+
+
+def train_step(model, optimizer, batches) -> float:
+    """One step as megatron.training's train_step takes it; returns the mean loss."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    losses = forward_backward(
+        forward_step_func=_forward_step,
+        data_iterator=iter(batches),
+        model=model,
+        num_microbatches=len(batches),
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    optimizer.step()
+    return float(sum(d["lm loss"] for d in losses))
+
+
+# --- minimum search ----------------------------------------------------------------------------
+def _runs(config: Config, steps: int = 2) -> str | None:
+    """None when build + ``steps`` steps run under ``config`` with a finite loss; else the reason."""
+    model = optimizer = None
+    try:
+        with config:
+            _init_model_parallel()
+            _, model, optimizer = build_training()
+            batches = make_batches()
+            for _ in range(steps):
+                loss = train_step(model, optimizer, batches)
+                if not math.isfinite(loss):
+                    return f"loss is {loss}"
+        return None
+    except Exception as exc:  # noqa: BLE001  (any failure means "does not run")
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = next((f for f in reversed(frames) if "megatron" in f.filename), frames[-1] if frames else None)
+        at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{at}"[:240]
+    finally:
+        del model, optimizer
+        gc.collect()
+
+
+def find_minimum(verbose: bool = True) -> dict:
+    full = level0_patches()
+    say = print if verbose else (lambda *a, **k: None)
+    _init_distributed()
+    reason = _runs(Config("level0", full, True))
+    if reason is not None:
+        raise RuntimeError(f"the step does not run even under the full level 0: {reason}")
+    empty_reason = _runs(Config("none", [], False))
+    say(f"without any level-0 patch: {empty_reason or 'runs'}")
+    kept, needed_because, unused = list(full), {}, []
+    for patch in full:
+        candidate = [p for p in kept if p is not patch]
+        reason = _runs(Config("candidate", candidate, False))
+        if reason is None:
+            kept = candidate
+            say(f"  drop  {patch.target}")
+        else:
+            needed_because[patch.target] = reason
+            say(f"  KEEP  {patch.target}: {reason}")
+    # a patch is "unused" by this step when the step cannot tell it from the original; report the
+    # ones whose removal from the *full* set changes nothing about running (for the docstring)
+    targets = [p.target for p in kept]
+    fresh = _fresh_check(targets)
+    if fresh is not None:
+        raise RuntimeError(f"the minimum found in-process does not run in a fresh process: {fresh}")
+    say("verified in a fresh process: the minimum builds and steps")
+    return {
+        "date": datetime.date.today().isoformat(),
+        "targets": targets,
+        "reasons": needed_because,
+        "level0_fingerprint": level0_fingerprint(full),
+        "level0_count": len(full),
+        "without_any_patch": empty_reason,
+    }
+
+
+def _fresh_check(targets: list[str]) -> str | None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--check-set", json.dumps(targets)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(REPO_ROOT))
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines and lines[-1] == "RUNS":
+        return None
+    return (lines[-1] if lines else proc.stderr.strip().splitlines()[-1:] or ["no output"])[0] \
+        if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"
+
+
+def _check_set(targets: list[str]) -> int:
+    """Fresh-process check: nothing but ``targets`` is applied, from before model-parallel init."""
+    _bootstrap()
+    wanted = set(targets)
+    patches = [p for p in level0_patches() if p.target in wanted]
+    _init_distributed()
+    reason = _runs(Config("check", patches, False))
+    print("RUNS" if reason is None else f"FAILS {reason}", flush=True)
+    return 0
+
+
+# --- measurement -------------------------------------------------------------------------------
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _summary(times_s: list[float]) -> dict:
+    ms = [t * 1000.0 for t in times_s]
+    return {
+        "median_ms": statistics.median(ms),
+        "p10_ms": _percentile(ms, 0.10),
+        "p90_ms": _percentile(ms, 0.90),
+        "mean_ms": statistics.fmean(ms),
+        "steps_timed": len(ms),
+    }
+
+
+def _timed_segment(config: Config, model, optimizer, batches, steps: int) -> list[float]:
+    times = []
+    gc.collect()
+    with config:
+        train_step(model, optimizer, batches)  # first step after a switch: not timed
+        for _ in range(steps):
+            start = time.perf_counter()
+            train_step(model, optimizer, batches)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _machine() -> dict:
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        megatron_version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        megatron_version = None
+    return {
+        "processor": py_platform.processor(),
+        "machine": py_platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": py_platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": megatron_version,
+    }
+
+
+def measure(steps: int, rounds: int, warmup: int) -> dict:
+    full_patches = level0_patches()
+    fingerprint = level0_fingerprint(full_patches)
+    known = {p.target for p in full_patches}
+    stale = [t for t in MINIMUM_TARGETS if t not in known]
+    if stale:
+        raise RuntimeError(f"MINIMUM_TARGETS names patches level 0 no longer has: {stale}; "
+                           "re-run with --find-minimum")
+    minimum_patches = [p for p in full_patches if p.target in set(MINIMUM_TARGETS)]
+    configs = {
+        "minimum": Config("minimum", minimum_patches, False),
+        "level0": Config("level0", full_patches, True),
+    }
+
+    created_group = _init_distributed()
+    # Built once under the full set and shared (see the module docstring): identical tensors, so
+    # only the patches active during the step differ.
+    with configs["level0"]:
+        _init_model_parallel()
+        _, model, optimizer = build_training()
+    batches = make_batches()
+
+    times = {name: [] for name in configs}
+    per_round = []
+    try:
+        for _ in range(warmup):
+            for name, config in configs.items():
+                _timed_segment(config, model, optimizer, batches, 1)
+        for r in range(rounds):
+            order = ["minimum", "level0"] if r % 2 == 0 else ["level0", "minimum"]
+            medians = {}
+            for name in order:
+                segment = _timed_segment(configs[name], model, optimizer, batches, steps)
+                times[name].extend(segment)
+                medians[name] = statistics.median(segment) * 1000.0
+            per_round.append({"order": order, "median_ms": medians,
+                              "ratio": medians["level0"] / medians["minimum"]})
+    finally:
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+        if created_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    results = {name: dict(_summary(times[name]), patches=len(configs[name].patches)) for name in configs}
+    ratio = results["level0"]["median_ms"] / results["minimum"]["median_ms"]
+    return {
+        "benchmark": "level0_overhead",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "settings": {
+            "steps_per_round": steps, "rounds": rounds, "warmup_steps_per_config": warmup,
+            "model": {"hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "layers": LAYERS, "seq": SEQ,
+                      "micro_batch": MICRO_BATCH, "num_microbatches": NUM_MICRO, "vocab": VOCAB,
+                      "spec": "local", "dtype": "float32"},
+            "parallel": {"world": 1, "backend": "gloo", "tp": 1, "pp": 1},
+            "optimizer": {"type": "adam", "clip_grad": 1.0, "ddp": True},
+        },
+        "configs": results,
+        "ratio": ratio,
+        "ratio_per_round_median": statistics.median(r["ratio"] for r in per_round),
+        "per_round": per_round,
+        "target": TARGET_RATIO,
+        "met": ratio <= TARGET_RATIO,
+        "minimum": {
+            "targets": list(MINIMUM_TARGETS),
+            "found_for_level0": MINIMUM_FROM_LEVEL0,
+            "level0_now": fingerprint,
+            "current": MINIMUM_FROM_LEVEL0 == fingerprint,
+        },
+        "level0_targets": [p.target for p in full_patches],
+    }
+
+
+def format_table(result: dict) -> str:
+    rows = [("config", "patches", "median ms/step", "p10 ms", "p90 ms", "ratio vs minimum")]
+    base = result["configs"]["minimum"]["median_ms"]
+    for name in ("minimum", "level0"):
+        c = result["configs"][name]
+        rows.append((name, str(c["patches"]), f"{c['median_ms']:.2f}", f"{c['p10_ms']:.2f}",
+                     f"{c['p90_ms']:.2f}", f"{c['median_ms'] / base:.4f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    verdict = "met" if result["met"] else "NOT met"
+    lines.append("")
+    lines.append(f"ratio level0/minimum = {result['ratio']:.4f} (target <= {result['target']}: {verdict}); "
+                 f"median of per-round ratios {result['ratio_per_round_median']:.4f}")
+    if not result["minimum"]["current"]:
+        lines.append("note: level 0 changed since MINIMUM_TARGETS was found; re-run with --find-minimum")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per config per round "
+                        f"(default {DEFAULTS['steps']}, --quick {QUICK['steps']})")
+    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds "
+                        f"(default {DEFAULTS['rounds']}, --quick {QUICK['rounds']})")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per config")
+    parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON result")
+    parser.add_argument("--quick", action="store_true", help="short smoke run (~20 s)")
+    parser.add_argument("--find-minimum", action="store_true",
+                        help="re-derive the minimum patch set (prints it; paste into MINIMUM_TARGETS)")
+    parser.add_argument("--check-set", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.check_set is not None:
+        _check_set(json.loads(args.check_set))
+        return {}
+
+    _bootstrap()
+    logging.basicConfig(level=logging.WARNING)
+    if args.find_minimum:
+        found = find_minimum()
+        print("\nMINIMUM_TARGETS = (")
+        for target in found["targets"]:
+            print(f"    {target!r},  # {found['reasons'][target]}")
+        print(")")
+        print(f'MINIMUM_FROM_LEVEL0 = "{found["level0_fingerprint"]}"  # {found["date"]}, '
+              f'{len(found["targets"])} of {found["level0_count"]} level-0 patches')
+        return found
+
+    preset = QUICK if args.quick else DEFAULTS
+    steps = args.steps if args.steps is not None else preset["steps"]
+    rounds = args.rounds if args.rounds is not None else preset["rounds"]
+    warmup = args.warmup if args.warmup is not None else preset["warmup"]
+    result = measure(steps, rounds, warmup)
+    result["settings"]["quick"] = args.quick
+    print(format_table(result))
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,5 @@
+import sys
+
+from hyper_adaptor.cli import main
+
+sys.exit(main())

@@ -1,0 +1,149 @@
+"""Level 0 on CPU: each fix, shown to be needed (the original fails) and to work (one process).
+
+Distributed behaviour (RNG across TP ranks, the PP2-VPP trap, parity) is in tests/distributed.
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+
+import hyper_adaptor.megatron_adaptor as adaptor_module
+from hyper_adaptor import platform
+
+pytestmark = pytest.mark.skipif(platform.device_type() != "cpu", reason="CPU emulation of the cuda device")
+MANAGER = adaptor_module.ADAPTOR.manager
+
+
+def original(target):
+    return MANAGER.original(target)
+
+
+def test_device_literals_land_on_the_host():
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.empty(3, device=torch.cuda.current_device()).device.type == "cpu"
+    assert torch.ones(1, device=torch.device("cuda:0")).device.type == "cpu"
+    assert torch.tensor([1.0], device=f"cuda:{torch.cuda.current_device()}").device.type == "cpu"
+    t = torch.arange(4)
+    assert t.cuda() is t and t.to("cuda").device.type == "cpu" and t.to(0).dtype == t.dtype
+    assert t.new_zeros(2, device="cuda").device.type == "cpu"
+    assert torch.empty(2, pin_memory=True).device.type == "cpu"
+    with pytest.raises((RuntimeError, AssertionError)):  # what megatron would hit unpatched
+        original("torch.zeros")(2, device="cuda")
+
+
+def test_cuda_namespace_answers_as_one_host_device():
+    assert torch.cuda.device_count() == 1 and torch.cuda.current_device() == 0
+    assert torch.cuda.is_available() is False  # torch's own CPU paths stay as they are
+    stream = torch.cuda.current_stream()
+    stream.wait_stream(torch.cuda.Stream())
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    torch.cuda.synchronize()
+    assert event.query() and stream.query()
+    assert torch.cuda.get_device_properties(0).major == 0
+    assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated() > 0
+
+
+def test_cuda_rng_is_the_host_generator_and_really_changes():
+    torch.cuda.manual_seed(7)
+    state = torch.cuda.get_rng_state()
+    a = torch.rand(4)
+    torch.cuda.set_rng_state(state)
+    assert torch.equal(torch.rand(4), a)
+    import torch.cuda.random as cuda_random
+
+    assert cuda_random.get_rng_state is torch.cuda.get_rng_state  # rebound in torch.cuda's submodule
+
+
+def test_megatron_set_cuda_rng_state_really_sets_it():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    torch.rand(8)
+    mrandom._set_cuda_rng_state(state)
+    after_patched = torch.get_rng_state()
+    assert torch.equal(after_patched, state)
+    # unpatched, the call is queued lazily and never runs: the state does not come back
+    torch.rand(8)
+    moved = torch.get_rng_state()
+    original(f"{mrandom.__name__}._set_cuda_rng_state")(state)
+    assert torch.equal(torch.get_rng_state(), moved)
+
+
+def test_tracker_fork_draws_from_its_own_stream_and_restores():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = mrandom.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 99)
+    torch.manual_seed(5)
+    outside_before = torch.get_rng_state()
+    with tracker.fork("model-parallel-rng"):
+        inside = torch.rand(4)
+    assert torch.equal(torch.get_rng_state(), outside_before)  # default stream restored
+    torch.manual_seed(99)
+    assert torch.equal(inside, torch.rand(4))  # fork drew from the tracker's seed
+
+
+def test_optimizer_type_checks_accept_host_tensors():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(p.grad, torch.full((3,), 0.5), atol=1e-5)
+    with pytest.raises(AssertionError):  # unpatched: 'torch.FloatTensor' != 'torch.cuda.FloatTensor'
+        original("megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32")([p], 1.0, 4.0)
+    assert p.type() == "torch.FloatTensor"  # the type view ends with the call
+
+
+def _norm_config(sequence_parallel):
+    return types.SimpleNamespace(
+        layernorm_zero_centered_gamma=False,
+        persist_layer_norm=False,
+        sequence_parallel=sequence_parallel,
+        memory_efficient_layer_norm=False,
+        normalization="LayerNorm",
+        layernorm_epsilon=1e-5,
+    )
+
+
+def test_local_norm_under_sequence_parallel_marks_its_params():
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    norm = WrappedTorchNorm(_norm_config(True), 8)
+    assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
+    assert not any(getattr(p, "sequence_parallel", False) for p in WrappedTorchNorm(_norm_config(False), 8).parameters())
+    with pytest.raises(AssertionError, match="sequence parallel"):
+        original("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__").__func__(WrappedTorchNorm, _norm_config(True), 8)
+
+
+def test_jit_warm_up_leaves_host_rng_alone():
+    """megatron's warm-up draws TP-size-dependent random shapes; with the host generator shared, TP1
+    and TP2 would initialise different weights. (The real warm-up needs megatron's global args and a
+    torch.compile; its effect on whole runs is covered by the TP parity tests.)"""
+    from megatron.training import initialize
+
+    from hyper_adaptor.patches.compat.megatron_training import _warm_up_without_moving_host_rng
+
+    def draws(tp_size=None):  # stands for the warm-up's device="cuda" random inputs
+        return torch.rand(16 // (tp_size or 1), device="cuda")
+
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    draws(tp_size=2)
+    assert not torch.equal(torch.get_rng_state(), before)  # what an unguarded warm-up does
+    torch.set_rng_state(before)
+    _warm_up_without_moving_host_rng(draws)(tp_size=2)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert initialize._warmup_jit_function.__wrapped__ is original("megatron.training.initialize._warmup_jit_function")
+
+
+def test_dataset_helpers_are_not_rebuilt_with_make():
+    from megatron.core.datasets import utils
+
+    utils.compile_helpers()  # would run `make` (no Makefile in the wheel) and fail
+    with pytest.raises(SystemExit):
+        original("megatron.core.datasets.utils.compile_helpers")()
