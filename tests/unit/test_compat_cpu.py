@@ -141,6 +141,26 @@ def test_jit_warm_up_leaves_host_rng_alone():
     assert initialize._warmup_jit_function.__wrapped__ is original("megatron.training.initialize._warmup_jit_function")
 
 
+def test_jit_warm_up_is_skipped_when_no_bias_fusion_is_on(monkeypatch):
+    """The warm-up only compiles the fused bias kernels; with all of them off it would spend tens of
+    seconds in torch.compile on the host for kernels the run never calls."""
+    import types
+
+    from megatron.training import global_vars
+
+    from hyper_adaptor.patches.compat.megatron_training import _warm_up_without_moving_host_rng
+
+    calls = []
+    warm = _warm_up_without_moving_host_rng(lambda tp_size=None: calls.append(tp_size))
+    off = dict(bias_gelu_fusion=False, bias_swiglu_fusion=False, bias_dropout_fusion=False)
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(**off))
+    warm(tp_size=2)
+    assert calls == []
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", types.SimpleNamespace(**dict(off, bias_dropout_fusion=True)))
+    warm(tp_size=2)
+    assert calls == [2]
+
+
 def test_dataset_helpers_are_not_rebuilt_with_make():
     from megatron.core.datasets import utils
 

@@ -44,6 +44,9 @@ def _skip_make_when_prebuilt(original):
     return compile_helpers
 
 
+_BIAS_FUSIONS = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion")
+
+
 def _warm_up_without_moving_host_rng(original):
     """The JIT warm-up draws random inputs on the device with shapes that depend on the TP size. On a
     GPU that moves the CUDA generator only; on the host platform it would move the generator that
@@ -52,6 +55,14 @@ def _warm_up_without_moving_host_rng(original):
 
     @functools.wraps(original)
     def warm_up(*args, **kwargs):
+        from megatron.training import global_vars
+
+        margs = global_vars._GLOBAL_ARGS  # None before parse_args; then megatron's own call decides
+        if margs is not None and not any(getattr(margs, f, False) for f in _BIAS_FUSIONS):
+            # The warm-up compiles the fused bias kernels ahead of time; with every bias fusion off
+            # none of them is used, and on the host that compile costs tens of seconds.
+            logger.info("bias fusions are off: skipping megatron's JIT warm-up")
+            return None
         with torch.random.fork_rng(devices=[]):
             return original(*args, **kwargs)
 

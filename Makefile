@@ -1,0 +1,47 @@
+# Two set-up-free entry points (README): `make demo` trains, `make test` tests. Both create .venv first.
+#
+# The install order matters on Python 3.11: megatron-core 0.19.2 declares Python >= 3.12 but ships a
+# cp311 wheel, so it goes in with --no-deps --ignore-requires-python after its real dependencies.
+# torch is pinned to 2.13.0 (the CPU build on this machine): an unpinned `torch` would pull a
+# multi-GB CUDA build. Override TORCH_SPEC on a machine that needs another build.
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+MCORE_SPEC  ?= megatron-core==0.19.2
+PY          := $(VENV)/bin/python
+STAMP       := $(VENV)/.hyper_adaptor-installed
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): setup.py Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet numpy
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pytest pytest-timeout
+	$(PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -c "import torch, hyper_adaptor.megatron_adaptor, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+	touch $(STAMP)
+
+# The main job: a real megatron.training GPT run, TP2 x PP2 on 4 processes, embedded stdlib corpus.
+demo: $(STAMP)
+	PYTHON=$(abspath $(PY)) bash examples/run_demo.sh
+
+# The whole suite (unit, distributed parity, end to end).
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Without the end-to-end torchrun runs.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) bench/level0_overhead.py
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,84 @@
+"""End to end: examples/pretrain_gpt.py through torchrun on the embedded corpus (TP2 x PP2, 4 CPU
+processes): the loss falls, a checkpoint is saved, and resuming from it reproduces the
+uninterrupted run's next losses exactly (to the 7 significant digits megatron logs), dropout on.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.world import free_port
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?grad norm: ([0-9.E+-]+)")
+MODEL = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --min-lr 3e-4 "
+    "--lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 "
+    "--use-cpu-initialization --hidden-dropout 0.1 --attention-dropout 0.1 --log-interval 1 "
+    "--eval-interval 1000 --eval-iters 0 --tokenizer-type NullTokenizer --vocab-size 257 "
+    "--no-bias-gelu-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion"
+).split()
+
+
+def pretrain(nproc, *args, timeout=420):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), "examples/pretrain_gpt.py", *MODEL, *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    return {int(i): float(v) for i, v in LOSS.findall(output)}, output
+
+
+def grad_norms(output):
+    return {int(i): float(v) for i, v in GRAD_NORM.findall(output)}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("corpus") / "stdlib_text_document"
+    subprocess.run(
+        [sys.executable, "examples/corpus.py", "--output-prefix", str(prefix), "--max-bytes", str(2 << 20)],
+        cwd=ROOT, check=True, capture_output=True, timeout=300,
+    )
+    return str(prefix)
+
+
+def test_train_save_resume_tp2_pp2(corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    data = ["--data-path", corpus, "--split", "98,2,0"]
+    full, full_output = pretrain(
+        4, *layout, *data, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"
+    )
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    assert full[6] < full[1] - 0.3, full  # it learns
+    assert (ckpt / "iter_0000003").is_dir() and (ckpt / "iter_0000006").is_dir()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+    resumed, output = pretrain(
+        4, *layout, *data, "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "3"
+    )
+    assert "loading checkpoint" in output.lower() or "loaded checkpoint" in output.lower()
+    assert sorted(resumed) == [4, 5, 6], resumed
+    # The next iteration's loss, and every resumed step's gradient norm, exactly as uninterrupted.
+    assert resumed[4] == full[4]
+    assert [grad_norms(output)[i] for i in (4, 5, 6)] == [grad_norms(full_output)[i] for i in (4, 5, 6)]
+    assert resumed[6] == full[6]
+    # (Iteration 5 is not compared: megatron.training's logger, after a resume, reports the mean of
+    # iterations 4 and 5 there — seen as resumed[5] == (full[4] + full[5]) / 2 — a logging quirk of
+    # megatron.training, not a numerical difference: iteration 6, which depends on 5, is exact.)
+
+
+def test_mock_data_single_process():
+    losses, _ = pretrain(1, "--mock-data", "--train-iters", "2")
+    assert sorted(losses) == [1, 2]
