@@ -31,21 +31,16 @@ set that runs and from which no single patch can be dropped. Because the search 
 process that applies nothing but the minimum before it imports megatron's model code. The search
 prints the reason each kept patch is needed — the error megatron raises without it.
 
-"Runs" is the criterion, not "is correct": a patch whose absence only makes results wrong is *not*
-in the minimum. The one such case on the step path is ``_set_cuda_rng_state``: without it megatron
-queues the RNG restore of every ``get_cuda_rng_tracker().fork()`` through ``torch.cuda._lazy_call``,
-which on a CPU build never runs (the tracker silently never forks) and records a stack trace per
-call. The minimum therefore carries megatron's own (wrong and not free) behaviour there, which is
-what "without the patch" honestly means; ``--find-minimum`` also reports which patches are merely
-unused by this step.
+"Runs" means: no exception, a finite loss, and no per-step growth of ``torch.cuda``'s deferred-call
+queue. That last point is why ``_set_cuda_rng_state`` is in the minimum: without it megatron queues
+the RNG restore of every ``get_cuda_rng_tracker().fork()`` through ``torch.cuda._lazy_call``, which on
+a CPU build never runs; the step "works" but the queue (with a stack trace per call) grows without
+bound, so no real run could go on for long. A patch whose absence only makes results wrong would
+otherwise not be in the minimum.
 
-Found on 2025-07-18 with megatron-core 0.19.2, torch 2.13.0+cpu, Python 3.11, the model below
-(local spec, TP1 PP1, world of one, gloo), the minimum is the 9 patches in MINIMUM_TARGETS:
-``torch.cuda.current_device`` (megatron places every buffer on it), ``torch.cuda.get_rng_state`` and
-``torch.cuda.manual_seed`` (the TP RNG tracker is seeded and forked through them),
-``torch.cuda.get_device_properties`` / ``device_count`` style queries are *not* needed by this step,
-and the tensor-factory wrappers megatron calls with ``device="cuda"`` / ``device=current_device()``
-— see the constant for the exact list and ``--find-minimum`` output for each reason.
+Found on 2026-11-23 with megatron-core 0.19.2, torch 2.13.0+cpu, Python 3.11.7, the model below
+(local spec, TP1 PP1, world of one, gloo): 8 of the 69 level-0 patches, listed in MINIMUM_TARGETS
+with the error megatron raises without each (``--find-minimum`` took 10 minutes on 2 cores).
 
 How it is measured
 ------------------
@@ -115,17 +110,18 @@ NUM_MICRO = 2
 VOCAB = 1024
 SEED = 1234
 
-# Found by `python bench/level0_overhead.py --find-minimum` on 2025-07-18 (megatron-core 0.19.2,
-# torch 2.13.0+cpu, Python 3.11). Each entry is a level-0 patch target without which the step above
-# does not run on CPU; see the module docstring for how and why.
+# Found by `python bench/level0_overhead.py --find-minimum` on 2026-11-23 (megatron-core 0.19.2,
+# torch 2.13.0+cpu, Python 3.11.7): 8 of 69 level-0 patches. Each is a target without which the
+# step above does not run on CPU; the comment is the error seen without it.
 MINIMUM_TARGETS: tuple[str, ...] = (
-    "torch.cuda.current_device",
-    "torch.cuda.current_stream",
-    "torch.cuda.get_rng_state",
-    "torch.empty",
-    "torch.zeros",
-    "torch.tensor",
-    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",
+    "torch.cuda.current_device",  # AssertionError: Torch not compiled with CUDA enabled (param_and_grad_buffer)
+    "torch.cuda.current_stream",  # same assertion (param_and_grad_buffer, grad sync)
+    "torch.cuda.get_rng_state",  # same assertion (tensor_parallel/random.py)
+    "torch.empty",  # RuntimeError: Cannot access accelerator device when none is available (utils.py)
+    "torch.zeros",  # same (param_and_grad_buffer)
+    "torch.tensor",  # AssertionError: Torch not compiled with CUDA enabled (optimizer.py)
+    "megatron.core.tensor_parallel.random._set_cuda_rng_state",  # each step queues 16 never-run lazy calls
+    "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",  # AssertionError (clip_grads.py:174)
 )
 # Fingerprint of the level-0 target list the minimum was derived from; when level 0 changes the
 # run still measures (new patches count as overhead) but says that the minimum should be re-found.
