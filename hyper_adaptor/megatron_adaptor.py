@@ -149,17 +149,20 @@ class Adaptor:
                 f"--device-type {args.device_type} differs from the device chosen at import "
                 f"({self.device_type}); pass it on the command line or set HYPER_ADAPTOR_DEVICE"
             )
+        # first, so that features validate the arguments the run will really use
+        for message in compat_arguments.switch_unworkable_defaults(args, self.device_type):
+            _notice(message)
         for feature in FEATURES:
-            if feature.requested(args) and feature.level > args.optimization_level:
+            if feature.level > args.optimization_level and feature.asked_explicitly(args):
+                # Not an error: the same command line at a lower level must run, with Megatron's
+                # own behaviour for this feature (issue 3). Said once, naming flag and level.
                 flags = ", ".join(f.name for f in feature.flags)
-                raise FeatureConfigError(
+                _notice(
                     f"{flags} ({feature.name}) is a level-{feature.level} feature but "
-                    f"--optimization-level is {args.optimization_level}; raise the level or drop the flag"
+                    f"--optimization-level is {args.optimization_level}: not applied"
                 )
             if feature.is_enabled(args):
                 feature.validate(args)
-        for message in compat_arguments.switch_unworkable_defaults(args, self.device_type):
-            _notice(message)
 
     def apply_features(self, args) -> list[str]:
         """Apply every enabled feature's patches (once each); returns the names applied now."""

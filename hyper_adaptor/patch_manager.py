@@ -4,6 +4,10 @@ Targets are resolved at registration so a patch written for another Megatron rel
 naming the installed version, instead of silently patching nothing. Two features may only touch the
 same attribute when both wrap it and one declares the other in ``after``. Stdlib only, so importing
 this module never pulls in Megatron or torch.
+
+Kinds: ``replace`` (set a new value), ``wrap`` (a factory ``original -> new``) and ``provide`` (set an
+attribute the installed code looks up at call time but lacks, e.g. a module global left unbound
+because an optional import failed; its parent must exist and it must be absent, and undo deletes it).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from typing import Any, Callable, Iterable
 __all__ = ["Patch", "PatchError", "PatchTargetError", "PatchConflictError", "PatchManager"]
 logger = logging.getLogger("hyper_adaptor.patch")
 
-_KINDS = ("replace", "wrap")
+_KINDS = ("replace", "wrap", "provide")
+_EXCLUSIVE = ("replace", "provide")  # kinds that share their target with no other patch
 _MISSING = object()
 
 # Identity of these says nothing about where a global came from (None, small ints and interned
@@ -113,7 +118,7 @@ def _plain(raw: Any) -> Any:
 
 
 def _build(patch: Patch, current: Any) -> Any:
-    if patch.kind == "replace":
+    if patch.kind in _EXCLUSIVE:
         return patch.replacement
     if isinstance(current, (staticmethod, classmethod)):
         return type(current)(patch.replacement(current.__func__))
@@ -146,8 +151,13 @@ class PatchManager:
             raise TypeError(f"expected a Patch, got {patch!r}")
         if any(p is patch for p in self._patches):
             return
-        owner, attr = self._resolve(patch.target, patch.feature)
-        slot = self._slots.get((id(owner), attr)) or _Slot(owner, attr, patch.target)
+        owner, attr = self._resolve(patch.target, patch.feature, need_attr=patch.kind != "provide")
+        slot = self._slots.get((id(owner), attr))
+        # A provided attribute must be absent from the code as installed; with patches already on
+        # this slot, the registered patches (not the present value) decide, so _order reports them.
+        if patch.kind == "provide" and slot is None and _lookup_raw(owner, attr)[1] is not _MISSING:
+            raise self._present(patch)
+        slot = slot or _Slot(owner, attr, patch.target)
         self._order(slot.patches + [patch], slot)  # raises on conflict before anything is stored
         slot.patches.append(patch)
         self._slots[(id(owner), attr)] = slot
@@ -159,7 +169,13 @@ class PatchManager:
         for patch in patches:
             self.register(patch)
 
-    def _resolve(self, target: str, feature: str) -> tuple[Any, str]:
+    def _present(self, patch: Patch) -> PatchTargetError:
+        return PatchTargetError(
+            f"feature {patch.feature!r}: 'provide' target {patch.target!r} already exists in the "
+            f"installed {self._version_info()}; the real one is present, so it must not be replaced "
+            f"by a stand-in (drop the patch when the real one is available)")
+
+    def _resolve(self, target: str, feature: str, need_attr: bool = True) -> tuple[Any, str]:
         def missing(reason: str) -> PatchTargetError:
             return PatchTargetError(f"feature {feature!r}: patch target {target!r} does not exist "
                                     f"in the installed {self._version_info()} ({reason})")
@@ -189,7 +205,7 @@ class PatchManager:
             except AttributeError:
                 raise missing(f"no attribute {part!r} on {path}") from None
             path = f"{path}.{part}"
-        if _lookup_raw(owner, parts[-1])[1] is _MISSING:
+        if need_attr and _lookup_raw(owner, parts[-1])[1] is _MISSING:
             raise missing(f"no attribute {parts[-1]!r} on {path}")
         return owner, parts[-1]
 
@@ -198,8 +214,9 @@ class PatchManager:
         for i, first in enumerate(patches):
             for second in patches[i + 1:]:
                 forward, backward = _must_precede(first, second), _must_precede(second, first)
-                if "replace" in (first.kind, second.kind):
-                    reason = "a 'replace' patch cannot share its target with any other patch"
+                exclusive = [k for k in (first.kind, second.kind) if k in _EXCLUSIVE]
+                if exclusive:
+                    reason = f"a {exclusive[0]!r} patch cannot share its target with any other patch"
                 elif forward == backward:
                     reason = f"{'each' if forward else 'neither'} declares the other in 'after'"
                 else:
@@ -262,6 +279,8 @@ class PatchManager:
     def _apply_one(self, patch: Patch) -> None:
         slot = self._slot_of[id(patch)]
         had_own, before = _lookup_raw(slot.owner, slot.attr)
+        if patch.kind == "provide" and before is not _MISSING:
+            raise self._present(patch)  # it appeared after registration: never overwrite the real one
         new = _build(patch, before)
         setattr(slot.owner, slot.attr, new)
         entry = _Applied(patch, slot, had_own, before, new, [])
@@ -274,7 +293,7 @@ class PatchManager:
     def _rebind(self, patch: Patch, slot: _Slot, before: Any, new: Any) -> list:
         """Point globals that imported the original by value (``from x import f``) at ``new``."""
         old_value, new_value = _plain(before), _plain(new)
-        if old_value is new_value or isinstance(old_value, _VALUE_TYPES):
+        if before is _MISSING or old_value is new_value or isinstance(old_value, _VALUE_TYPES):
             return []
         owner_ns = vars(slot.owner) if isinstance(slot.owner, ModuleType) else None
         rebound, seen = [], set()
@@ -338,12 +357,18 @@ class PatchManager:
                  "applied": id(p) in self._applied} for p in self._patches]
 
     def original(self, target: str) -> Any:
-        """The unpatched raw object at a registered ``target``: what undo would restore."""
-        owner, attr = self._resolve(target, "<original lookup>")
+        """The unpatched raw object at a registered ``target``: what undo would restore.
+
+        A target only ``provide``-d has none: AttributeError, as the unpatched lookup would raise."""
+        owner, attr = self._resolve(target, "<original lookup>", need_attr=False)
         slot = self._slots.get((id(owner), attr))
         if slot is None:
             raise KeyError(f"no patch is registered for {target!r}")
+        value = _lookup_raw(owner, attr)[1]
         for entry in self._stack:
             if entry.slot is slot:
-                return entry.before
-        return _lookup_raw(owner, attr)[1]
+                value = entry.before
+                break
+        if value is _MISSING:
+            raise AttributeError(f"{target!r} does not exist unpatched (it is provided by a patch)")
+        return value

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, FeatureConfigError, Flag
 from hyper_adaptor.features.compat import Compat
+from hyper_adaptor.features.flash_attn import FlashAttention
+from hyper_adaptor.features.fused_backend import FusedBackend
+from hyper_adaptor.features.fused_rmsnorm import FusedRMSNorm
+from hyper_adaptor.features.fused_rope import FusedRoPE
+from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
+from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 
 # Fixed, documented application order (torchtitan style): compatibility first, then kernels,
 # then parallel / memory algorithms.
-FEATURES: tuple[Feature, ...] = (Compat(),)
+FEATURES: tuple[Feature, ...] = (
+    Compat(),
+    FusedBackend(),
+    FusedRMSNorm(),
+    FusedSwiGLU(),
+    FusedRoPE(),
+    FlashAttention(),
+    GradAccumFusion(),
+)
 
 
 def get(name: str) -> Feature:

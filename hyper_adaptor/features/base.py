@@ -23,12 +23,17 @@ class Flag:
     name: str
     help: str
     kwargs: dict = field(default_factory=dict)
+    # "megatron": the flag is Megatron's own (e.g. --use-flash-attn, --gradient-accumulation-fusion);
+    # the feature reads it but does not add it to the parser. ``default`` is then Megatron's default.
+    owner: str = "hyper_adaptor"
 
     @property
     def dest(self) -> str:
         return self.name.lstrip("-").replace("-", "_")
 
     def add_to(self, group) -> None:
+        if self.owner == "megatron":
+            return
         kwargs = dict(self.kwargs) or {"action": "store_true"}
         group.add_argument(self.name, help=self.help, **kwargs)
 
@@ -69,9 +74,15 @@ class Feature:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         if not self.flags:
             return
+        if all(f.owner == "megatron" for f in self.flags):
+            return
         group = parser.add_argument_group(f"hyper_adaptor: {self.name} (level {self.level})")
         for flag in self.flags:
             flag.add_to(group)
+
+    def asked_explicitly(self, args) -> bool:
+        """Requested by a flag set away from its default (Megatron-owned flags may default to on)."""
+        return any(getattr(args, f.dest, f.default()) not in (None, False, f.default()) for f in self.flags)
 
     def fill_defaults(self, args) -> None:
         """Give namespaces built without our parser (``hyper_adaptor.adapt(args)``) the flag defaults."""

@@ -34,7 +34,12 @@ class Layout:
     dropout: float = 0.0
     seed: int = 1234
     batch_p2p_comm: bool | None = None  # None: unbatched for PP=2 with VPP (see the PP2-VPP trap test)
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # TransformerConfig fields (override the defaults below)
+    model: dict = field(default_factory=dict)  # GPTModel keyword arguments
+    # Megatron-style feature arguments (e.g. {"optimization_level": 1, "use_fused_rmsnorm": True}):
+    # given to the process-wide adaptor's prepare + apply_features before the model is built, as
+    # megatron.training's validate_args would. Applied features stay applied in that process.
+    features: dict | None = None
 
 
 def _batches(step: int, seed: int):
@@ -74,7 +79,15 @@ def build(layout: Layout, init_params: dict | None = None):
     )
     tensor_parallel.model_parallel_cuda_manual_seed(layout.seed)
     torch.manual_seed(layout.seed)
-    config = TransformerConfig(
+    if layout.features is not None:
+        import types
+
+        from hyper_adaptor.megatron_adaptor import ADAPTOR
+
+        args = types.SimpleNamespace(transformer_impl="local", **layout.features)
+        ADAPTOR.prepare(args)
+        ADAPTOR.apply_features(args)
+    config_kwargs = dict(
         num_layers=LAYERS,
         hidden_size=64,
         num_attention_heads=4,
@@ -97,8 +110,9 @@ def build(layout: Layout, init_params: dict | None = None):
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **layout.extra,
     )
+    config_kwargs.update(layout.extra)
+    config = TransformerConfig(**config_kwargs)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None
@@ -111,6 +125,7 @@ def build(layout: Layout, init_params: dict | None = None):
             post_process=ps.is_pipeline_last_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),
             share_embeddings_and_output_weights=True,
             vp_stage=stage,
+            **layout.model,
         )
         if init_params is not None:
             # Same starting point as the reference: megatron seeds each pipeline stage from the same
@@ -265,6 +280,10 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
         assert update_successful
         history["params"].append(_merge_over_world(_snapshot(chunks, "param")))
     ps.destroy_model_parallel()
+    if layout.features is not None:
+        from hyper_adaptor.ops import backend
+
+        history["op_calls"] = backend.call_counts()  # cumulative in this process
     return history if rank == 0 else {"loss": history["loss"]}
 
 

@@ -83,10 +83,14 @@ def probe_feature(monkeypatch):
     return probe
 
 
-def test_feature_flag_above_level_names_the_flag_and_level(probe_feature):
+def test_feature_flag_above_level_is_a_notice_naming_the_flag_and_level(probe_feature, capsys):
     args = megatron_args("--use-probe", "--optimization-level", "1")
-    with pytest.raises(FeatureConfigError, match=r"--use-probe.*level-2 feature.*--optimization-level is 1"):
-        ADAPTOR.prepare(args)
+    ADAPTOR.prepare(args)
+    out = capsys.readouterr().out
+    assert "--use-probe, --probe-exclusive (probe) is a level-2 feature but --optimization-level is 1: not applied" in out
+    assert not probe_feature.is_enabled(args)
+    ADAPTOR.prepare(megatron_args("--optimization-level", "1"))
+    assert "probe" not in capsys.readouterr().out  # not asked for: nothing said
 
 
 def test_conflicting_flags_are_an_error_naming_both(probe_feature):
@@ -98,7 +102,7 @@ def test_conflicting_flags_are_an_error_naming_both(probe_feature):
 def test_level_gating(probe_feature):
     assert probe_feature.is_enabled(megatron_args("--use-probe"))
     assert not probe_feature.is_enabled(megatron_args())
-    assert not probe_feature.is_enabled(megatron_args("--use-probe", "--optimization-level", "0"))  # and prepare refuses it
+    assert not probe_feature.is_enabled(megatron_args("--use-probe", "--optimization-level", "0"))  # prepare says so
     compat = features.get("compat")
     assert compat.is_enabled(megatron_args("--optimization-level", "0"))  # level 0 always applies
 
@@ -142,7 +146,7 @@ def test_missing_megatron_core_is_an_error(monkeypatch):
 
 
 def test_platform_defaults_are_switched_with_one_notice_each(capsys):
-    args = megatron_args()  # Megatron's own defaults: nccl, transformer_engine, fusions on
+    args = megatron_args("--optimization-level", "0")  # Megatron's own defaults: nccl, TE, fusions on
     ADAPTOR.prepare(args)
     out = capsys.readouterr().out
     assert args.distributed_backend == "gloo" and args.transformer_impl == "local"
@@ -150,6 +154,17 @@ def test_platform_defaults_are_switched_with_one_notice_each(capsys):
     assert not args.masked_softmax_fusion and not args.apply_rope_fusion
     for flag in ("--distributed-backend", "--transformer-impl", "--gradient-accumulation-fusion"):
         assert out.count(flag) == 1
+
+
+def test_gradient_accumulation_fusion_stays_on_from_level_1():
+    """From level 1 hyper_adaptor serves the fused wgrad kernel itself, so Megatron's default stays."""
+    args = megatron_args("--optimization-level", "1")
+    ADAPTOR.prepare(args)
+    assert args.gradient_accumulation_fusion
+    assert features.get("grad_accum_fusion").is_enabled(args)
+    args = megatron_args("--optimization-level", "1", "--no-gradient-accumulation-fusion")
+    ADAPTOR.prepare(args)
+    assert not features.get("grad_accum_fusion").is_enabled(args)
 
 
 def test_describe_lists_features_and_targets():

@@ -579,3 +579,119 @@ def test_patch_manager_imports_only_stdlib():
     imported = {line.split()[1].split(".")[0] for line in source.splitlines()
                 if line.startswith(("import ", "from "))}
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+# ---------------------------------------------------------------- provide
+
+
+@pytest.mark.parametrize("suffix,owner", [("a.provided", "a"), ("a.C.provided", "C")])
+def test_provide_sets_then_undo_deletes_exactly(fake, pm, suffix, owner):
+    where = fake.a if owner == "a" else fake.a.C
+    value = object()
+    before = dict(vars(where))
+    pm.register(fake.patch(suffix, value, "provide"))
+    assert not hasattr(where, "provided")  # registering changes nothing
+    with pm.applied():
+        assert where.provided is value and vars(where)["provided"] is value
+    assert "provided" not in vars(where) and not hasattr(where, "provided")
+    assert dict(vars(where)).keys() == before.keys()
+    assert all(vars(where)[k] is v for k, v in before.items() if k != "__dict__")
+
+
+def test_provide_is_idempotent_and_reapplies_after_undo(fake, pm):
+    value = object()
+    pm.register(fake.patch("a.provided", value, "provide"))
+    for _ in range(2):
+        pm.apply()
+        pm.apply()
+        assert fake.a.provided is value
+        assert [e["applied"] for e in pm.describe()] == [True]
+        pm.undo()
+        assert not hasattr(fake.a, "provided")
+    pm.undo()  # nothing left to undo: no error, still absent
+    assert not hasattr(fake.a, "provided")
+
+
+def test_provided_value_is_seen_by_call_time_lookups(fake, pm):
+    # A function of the package that names a global only bound by the patch.
+    with open(fake.a.__file__.replace("a.py", "late.py"), "w") as handle:
+        handle.write("def call():\n    return provided_global()\n")
+    late = importlib.import_module(fake.t("late"))
+    with pytest.raises(NameError):
+        late.call()
+    pm.register(fake.patch("late.provided_global", lambda: "here", "provide"))
+    with pm.applied():
+        assert late.call() == "here"
+    with pytest.raises(NameError):
+        late.call()
+
+
+@pytest.mark.parametrize("suffix,missing", [
+    ("nomodule.provided", "'nomodule'"),
+    ("a.Nope.provided", "'Nope'"),
+])
+def test_provide_missing_parent_names_feature_target_version(fake, pm, suffix, missing):
+    with pytest.raises(PatchTargetError) as info:
+        pm.register(fake.patch(suffix, 1, "provide", feature="my-feature"))
+    for fragment in ("my-feature", fake.t(suffix), VERSION, missing):
+        assert fragment in str(info.value)
+    assert pm.patches == []
+
+
+@pytest.mark.parametrize("suffix", ["a.f", "a.C.m", "a.C.inherited", "a.FLAG"])
+def test_provide_on_present_attribute_is_an_error(fake, pm, suffix):
+    snapshot = (fake.a.f, dict(vars(fake.a.C)))
+    with pytest.raises(PatchTargetError) as info:
+        pm.register(fake.patch(suffix, 1, "provide", feature="my-feature"))
+    message = str(info.value)
+    for fragment in ("my-feature", fake.t(suffix), VERSION, "already exists"):
+        assert fragment in message
+    assert pm.patches == []
+    assert snapshot == (fake.a.f, dict(vars(fake.a.C)))
+
+
+def test_provide_refuses_to_overwrite_an_attribute_that_appeared_later(fake, pm):
+    pm.register(fake.patch("a.provided", "stand-in", "provide", feature="my-feature"))
+    pm.register(fake.patch("a.f", lambda: 2, "replace", feature="other"))
+    fake.a.provided = "real"
+    try:
+        with pytest.raises(PatchTargetError, match="already exists"):
+            pm.apply()
+        assert fake.a.provided == "real" and fake.a.f() == 1  # nothing half-applied
+    finally:
+        del fake.a.provided
+
+
+@pytest.mark.parametrize("other_kind", ["provide", "replace", "wrap"])
+@pytest.mark.parametrize("applied", [False, True])
+def test_provide_conflicts_name_both_features(fake, pm, other_kind, applied):
+    pm.register(fake.patch("a.provided", lambda: 0, "provide", feature="alpha"))
+    if applied:
+        pm.apply()
+    second = fake.patch("a.provided", (lambda o: o) if other_kind == "wrap" else (lambda: 1),
+                        other_kind, feature="beta", after=("alpha",))
+    try:
+        # Unapplied, a replace/wrap finds no attribute to patch; either way beta is refused.
+        expected = PatchConflictError if applied or other_kind == "provide" else PatchError
+        with pytest.raises(expected) as info:
+            pm.register(second)
+        assert "beta" in str(info.value) and fake.t("a.provided") in str(info.value)
+        if expected is PatchConflictError:
+            assert "alpha" in str(info.value) and "'provide'" in str(info.value)
+        assert [p.feature for p in pm.patches] == ["alpha"]
+    finally:
+        pm.undo()
+    assert not hasattr(fake.a, "provided")
+
+
+def test_provide_in_describe_and_original(fake, pm):
+    pm.register(fake.patch("a.provided", 5, "provide", feature="alpha"))
+    expected = [{"target": fake.t("a.provided"), "kind": "provide", "feature": "alpha",
+                 "applied": False}]
+    assert pm.describe() == expected
+    with pm.applied():
+        assert pm.describe() == [dict(expected[0], applied=True)]
+        with pytest.raises(AttributeError, match="provided"):
+            pm.original(fake.t("a.provided"))
+    with pytest.raises(AttributeError):
+        pm.original(fake.t("a.provided"))

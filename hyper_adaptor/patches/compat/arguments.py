@@ -47,13 +47,14 @@ def switch_unworkable_defaults(args, device_type: str) -> list[str]:
     if not getattr(args, "no_persist_layer_norm", True) and not on_cuda_with("fast_layer_norm"):
         switch("no_persist_layer_norm", True, "the persistent layer-norm kernel needs apex on CUDA")
 
-    if getattr(args, "gradient_accumulation_fusion", False) and not (
+    # From level 1 on, hyper_adaptor provides the kernel itself (features/grad_accum_fusion.py).
+    if getattr(args, "gradient_accumulation_fusion", False) and getattr(args, "optimization_level", 0) < 1 and not (
         on_cuda_with("fused_weight_gradient_mlp_cuda") or (device_type == "cuda" and have_transformer_engine())
     ):
         switch(
             "gradient_accumulation_fusion",
             False,
-            "its fused weight-gradient kernel needs apex or transformer_engine on CUDA",
+            "its fused weight-gradient kernel needs apex or transformer_engine on CUDA, or --optimization-level >= 1",
         )
 
     if getattr(args, "masked_softmax_fusion", False) and not on_cuda_with("scaled_masked_softmax_cuda"):

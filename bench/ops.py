@@ -1,0 +1,271 @@
+"""Fused ops (level 1): forward+backward time and activation memory, fused vs eager vs megatron-core.
+
+Run from the repository root::
+
+    python bench/ops.py            # about 2-4 minutes on 2 CPU cores
+    python bench/ops.py --quick    # smaller shapes, fewer repeats
+
+For every op the three paths run on the same inputs, interleaved round by round (so machine drift
+falls on all alike); the figure is the median forward+backward time. ``fused`` is the op through
+hyper_adaptor's dispatch with the platform's first backend (``fast`` on CPU/CUDA, ``npu`` on an
+NPU; ``--backend`` forces one), ``eager`` the plain-PyTorch reference backend, ``megatron`` what
+megatron-core 0.19.2's local spec runs without hyper_adaptor (torch.nn.RMSNorm, the chunk+silu MLP,
+``_apply_rotary_pos_emb_bshd``, DotProductAttention, matmul + add into main_grad).
+
+Activation memory is the bytes autograd saves for the backward (summed in a saved-tensors hook):
+exact and independent of the allocator, so the O(s) vs O(s^2) of attention shows directly.
+
+Shapes are scaled from real models (hidden 4096 / 8192, 32 / 64 heads of 128, sequence 4096) to fit
+a CPU; the scale is printed and written to bench/results/ops.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform as py_platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+import hyper_adaptor.megatron_adaptor  # noqa: E402,F401  (level 0: megatron importable here)
+from hyper_adaptor import platform as ha_platform  # noqa: E402
+
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "ops.json"
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of tensors autograd keeps for the backward of ``fn()`` (storage counted once)."""
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return total
+
+
+def timed(fn, grad_of) -> float:
+    start = time.perf_counter()
+    out = fn()
+    out.backward(grad_of(out))
+    return time.perf_counter() - start
+
+
+class Case:
+    def __init__(self, name, shape_note, make, paths):
+        self.name, self.shape_note, self.make, self.paths = name, shape_note, make, paths
+
+
+def _leaf(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+
+
+def cases(scale: int, dtype: torch.dtype, backend: str | None):
+    from hyper_adaptor.ops import attention as att
+    from hyper_adaptor.ops import rms_norm as rn
+    from hyper_adaptor.ops import rope
+    from hyper_adaptor.ops import swiglu as sw
+    from hyper_adaptor.ops import wgrad_accum as wg
+
+    hidden, seq, heads, head_dim = 4096 // scale, 4096 // scale, 32 // scale, 128
+    ffn = 11008 // scale
+    tokens = seq  # micro-batch 1
+    out = []
+
+    # RMSNorm
+    def make_norm():
+        x = _leaf((seq, 1, hidden), dtype, 1)
+        w = torch.ones(hidden, dtype=dtype).requires_grad_()
+        ref = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
+        return x, w, ref
+
+    out.append(Case("rms_norm", f"[s={seq}, b=1, h={hidden}]", make_norm, {
+        "fused": lambda x, w, ref: rn.rms_norm(x, w, 1e-5, backend=backend),
+        "eager": lambda x, w, ref: rn.rms_norm(x, w, 1e-5, backend="eager"),
+        "megatron": lambda x, w, ref: ref(x),
+    }))
+
+    # SwiGLU (no bias, as in Llama-style MLPs)
+    def make_swiglu():
+        return (_leaf((seq, 1, 2 * ffn), dtype, 2),)
+
+    def megatron_glu(x):
+        a, b = torch.chunk(x, 2, dim=-1)
+        return torch.nn.functional.silu(a) * b
+
+    out.append(Case("swiglu", f"[s={seq}, b=1, 2*ffn={2 * ffn}]", make_swiglu, {
+        "fused": lambda x: sw.swiglu(x, backend=backend),
+        "eager": lambda x: sw.swiglu(x, backend="eager"),
+        "megatron": megatron_glu,
+    }))
+
+    # RoPE
+    def make_rope():
+        t = _leaf((seq, 1, heads, head_dim), dtype, 3)
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
+        freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+        return t, freqs
+
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    out.append(Case("rope", f"[s={seq}, b=1, n={heads}, d={head_dim}]", make_rope, {
+        "fused": lambda t, f: rope.apply_rotary(t, f, backend=backend),
+        "eager": lambda t, f: rope.apply_rotary(t, f, backend="eager"),
+        "megatron": lambda t, f: _apply_rotary_pos_emb_bshd(t, f, rotary_interleaved=False),
+    }))
+
+    # Core attention, causal
+    def make_attention():
+        q = _leaf((seq, 1, heads, head_dim), dtype, 4)
+        k = _leaf((seq, 1, heads, head_dim), dtype, 5)
+        v = _leaf((seq, 1, heads, head_dim), dtype, 6)
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        return q, k, v, mask
+
+    scale_qk = head_dim ** -0.5
+    out.append(Case("attention (causal)", f"[s={seq}, b=1, n={heads}, d={head_dim}]", make_attention, {
+        "fused": lambda q, k, v, m: att.attention(q, k, v, causal=True, scale=scale_qk, backend=backend),
+        "eager": lambda q, k, v, m: att.attention(q, k, v, causal=True, mask=m, scale=scale_qk, backend="eager"),
+        "megatron": _megatron_attention(heads, head_dim, dtype),
+    }))
+
+    # Weight-gradient GEMM accumulated into fp32 main_grad (no autograd: time the call alone)
+    def make_wgrad():
+        x = _leaf((tokens, hidden), dtype, 7).detach()
+        g = _leaf((tokens, ffn), dtype, 8).detach()
+        main_grad = torch.zeros(ffn, hidden, dtype=torch.float32)
+        return x, g, main_grad
+
+    out.append(Case("wgrad accumulate (fp32 main_grad)", f"[tokens={tokens}] x [{hidden} -> {ffn}]", make_wgrad, {
+        "fused": lambda x, g, mg: wg.wgrad_accum(x, g, mg, backend=backend),
+        "eager": lambda x, g, mg: wg.wgrad_accum(x, g, mg, backend="eager"),
+        "megatron": lambda x, g, mg: mg.add_(g.t().matmul(x)),
+    }))
+    return out, dict(hidden=hidden, seq=seq, heads=heads, head_dim=head_dim, ffn=ffn, scale=scale)
+
+
+_ATTN = {}
+
+
+def _megatron_attention(heads, head_dim, dtype):
+    """megatron-core's DotProductAttention (local spec) in a world of one."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29533")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               attention_dropout=0.0, masked_softmax_fusion=False, params_dtype=dtype,
+                               bf16=dtype == torch.bfloat16)
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                 attention_type="self")
+    return lambda q, k, v, m: module(q, k, v, m)
+
+
+def run(args) -> dict:
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    all_cases, shapes = cases(args.scale, dtype, args.backend)
+    rows = []
+    for case in all_cases:
+        inputs = case.make()
+        no_grad = case.name.startswith("wgrad")
+        times = {name: [] for name in case.paths}
+        for _ in range(args.warmup):
+            for fn in case.paths.values():
+                _one(fn, inputs, no_grad)
+        for r in range(args.repeats):
+            order = list(case.paths) if r % 2 == 0 else list(reversed(case.paths))
+            for name in order:
+                times[name].append(_one(case.paths[name], inputs, no_grad))
+        med = {name: statistics.median(t) * 1000 for name, t in times.items()}
+        mem = {name: (0 if no_grad else saved_bytes(lambda fn=fn: fn(*inputs))) for name, fn in case.paths.items()}
+        rows.append({"op": case.name, "shape": case.shape_note, "median_ms": med, "saved_bytes": mem,
+                     "speedup_vs_eager": med["eager"] / med["fused"],
+                     "speedup_vs_megatron": med["megatron"] / med["fused"]})
+        print(f"  {case.name}: fused {med['fused']:.2f} ms, eager {med['eager']:.2f} ms, megatron {med['megatron']:.2f} ms",
+              flush=True)
+    return {"benchmark": "ops", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": ha_platform.device_type(), "dtype": args.dtype, "backend": args.backend or "platform default",
+            "shapes": shapes, "scale_note": f"real model dims divided by {args.scale} (head dim kept at 128)",
+            "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                        "python": py_platform.python_version(), "torch": torch.__version__},
+            "repeats": args.repeats, "rows": rows}
+
+
+def _one(fn, inputs, no_grad) -> float:
+    if no_grad:
+        start = time.perf_counter()
+        fn(*inputs)
+        return time.perf_counter() - start
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.grad is not None:
+            t.grad = None
+    return timed(lambda: fn(*inputs), torch.ones_like)
+
+
+def table(result: dict) -> str:
+    head = ("op", "shape", "fused ms", "eager ms", "megatron ms", "x eager", "x megatron", "saved MiB fused/eager/megatron")
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in result["rows"]:
+        m, s = r["median_ms"], r["saved_bytes"]
+        mib = "/".join(f"{s[k] / 2**20:.1f}" for k in ("fused", "eager", "megatron"))
+        lines.append(" | ".join((r["op"], r["shape"], f"{m['fused']:.2f}", f"{m['eager']:.2f}", f"{m['megatron']:.2f}",
+                                 f"{r['speedup_vs_eager']:.2f}", f"{r['speedup_vs_megatron']:.2f}", mib)))
+    return "\n".join(f"| {line} |" for line in lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", type=int, default=4, help="divide real dims by this (default 4)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--backend", choices=("npu", "fast", "eager"), default=None)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="--scale 8 --repeats 4 --warmup 1")
+    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.scale, args.repeats, args.warmup = 8, 4, 1
+    result = run(args)
+    print(f"\n{result['scale_note']}; {result['device']}, {result['dtype']}, "
+          f"{result['machine']['torch_threads']} threads\n")
+    print(table(result))
+    path = Path(args.json)
+    if args.dtype != "fp32" or args.backend:
+        path = path.with_name(f"{path.stem}-{args.dtype}{'-' + args.backend if args.backend else ''}{path.suffix}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

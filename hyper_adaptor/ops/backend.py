@@ -1,0 +1,128 @@
+"""Backend choice and fallback for the fused ops (level 1).
+
+Every op in ``hyper_adaptor/ops`` has up to three implementations:
+
+- ``npu``: torch_npu's fused operators, imported lazily (the package imports without torch_npu);
+- ``fast``: PyTorch's own fused paths (``F.rms_norm``, ``F.scaled_dot_product_attention``, ...) or a
+  compiled reference, for CPU and CUDA;
+- ``eager``: the plain-PyTorch reference, written for clarity; it serves every shape and dtype.
+
+The first backend tried comes from the platform (npu -> ``npu``, otherwise ``fast``) unless forced with
+``--fused-backend`` or ``HYPER_ADAPTOR_OPS_BACKEND``. A backend that cannot serve a call (shape, dtype,
+missing library) says why, and the call falls to the next backend in ``FALLBACK`` — with one logged
+notice per (op, backend, reason), never an error mid-training.
+
+Written here rather than taken from a library: the fallback chain and its per-op notices are the
+product's own behaviour (MindSpeed hard-fails on an unsupported shape; we degrade with a notice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+BACKENDS = ("npu", "fast", "eager")
+FALLBACK = {"npu": ("npu", "fast", "eager"), "fast": ("fast", "eager"), "eager": ("eager",)}
+BACKEND_ENV = "HYPER_ADAPTOR_OPS_BACKEND"
+
+logger = logging.getLogger("hyper_adaptor.ops")
+_forced: str | None = None
+_noticed: set[tuple[str, str, str]] = set()
+OPS: dict[str, "Op"] = {}  # every op by name, for call counts and docs
+
+
+def _check(name: str, source: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"{source}: unknown fused-op backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return name
+
+
+def force_backend(name: str | None) -> None:
+    """Force the first backend tried (``None``: back to the platform's choice)."""
+    global _forced
+    _forced = None if name in (None, "auto") else _check(name, "--fused-backend")
+
+
+def preferred_backend() -> str:
+    if _forced is not None:
+        return _forced
+    env = os.environ.get(BACKEND_ENV)
+    if env and env != "auto":
+        return _check(env, BACKEND_ENV)
+    from hyper_adaptor import platform
+
+    return "npu" if platform.device_type() == "npu" else "fast"
+
+
+def notice(op: str, backend: str, reason: str, nxt: str) -> None:
+    key = (op, backend, reason)
+    if key in _noticed:
+        return
+    _noticed.add(key)
+    message = f"{op}: the {backend} backend cannot serve this call ({reason}); using {nxt}"
+    logger.warning(message)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"[hyper_adaptor] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One backend of one op: ``supports(*args, **kwargs)`` returns None when it can serve the call,
+    else the reason it cannot; ``fn`` computes it."""
+
+    fn: Callable[..., Any]
+    supports: Callable[..., str | None] = lambda *a, **k: None
+
+
+class Op:
+    """An op with its backends; calling it dispatches along the fallback chain."""
+
+    def __init__(self, name: str, **impls: Impl):
+        unknown = set(impls) - set(BACKENDS)
+        if unknown or "eager" not in impls:
+            raise ValueError(f"op {name}: backends must be among {BACKENDS} and include eager; got {sorted(impls)}")
+        self.name, self.impls = name, impls
+        self.calls = {b: 0 for b in impls}  # how often each backend served a call (cheap, for tests)
+        OPS[name] = self
+
+    def chain(self, first: str | None = None) -> list[str]:
+        return [b for b in FALLBACK[first or preferred_backend()] if b in self.impls] or ["eager"]
+
+    def resolve(self, *args, backend: str | None = None, **kwargs) -> str:
+        """The backend that serves this call (noticing each one skipped)."""
+        chain = self.chain(backend)
+        for i, name in enumerate(chain):
+            reason = self.impls[name].supports(*args, **kwargs)
+            if reason is None:
+                return name
+            notice(self.name, name, reason, chain[i + 1] if i + 1 < len(chain) else "eager")
+        return "eager"
+
+    def __call__(self, *args, backend: str | None = None, **kwargs):
+        chosen = self.resolve(*args, backend=backend, **kwargs)
+        self.calls[chosen] += 1
+        return self.impls[chosen].fn(*args, **kwargs)
+
+
+def call_counts() -> dict[str, dict[str, int]]:
+    """{op: {backend: calls}} for every op imported so far."""
+    return {name: dict(op.calls) for name, op in OPS.items()}
+
+
+def npu_module():
+    """torch_npu, or None when it is not importable (this machine)."""
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        return None
+    return torch_npu
+
+
+def need_npu_tensor(*tensors) -> str | None:
+    if npu_module() is None:
+        return "torch_npu is not installed"
+    if any(t.device.type != "npu" for t in tensors if t is not None):
+        return "tensors are not on an NPU"
+    return None

@@ -1,0 +1,202 @@
+"""Rotary position embedding for megatron's [s, b, n, d] ("sbhd"/"bshd") layout.
+
+``apply_rotary(t, freqs)`` gives what megatron-core's unfused ``_apply_rotary_pos_emb_bshd`` gives:
+
+- ``t`` is [s, b, n, d]; ``freqs`` holds angles broadcastable to [s, b, 1, rot_dim] (usually
+  [s, 1, 1, rot_dim]); with ``rot_dim < d`` only the first ``rot_dim`` channels rotate and the rest
+  pass through unchanged (partial rotary);
+- cos and sin are taken in the angles' dtype, multiplied by ``mscale`` and only then cast to
+  ``t.dtype``; the rotation itself runs in ``t.dtype``;
+- ``interleaved=False`` pairs channel i with channel i + rot_dim/2 ("rotate half");
+  ``interleaved=True`` pairs channels 2i and 2i+1;
+- ``mla_interleaved=True`` (megatron's ``mla_rotary_interleaved``, used by multi-latent attention)
+  first regroups the rotated channels as [even channels, odd channels] and leaves them in that order
+  in the output. Covered with ``interleaved=False`` by every backend; the rare combination with
+  ``interleaved=True`` is served by the eager reference only.
+
+Backends:
+
+- eager: the reference, written term by term like the formula;
+- fast: a hand-written autograd function. A rotation is linear in ``t``, so the backward pass is the
+  same rotation by the opposite angle; it saves only cos and sin (no activation), and both passes
+  write each output half straight into the result with ``mul(out=)`` + ``addcmul_`` instead of
+  building rotate-half copies and concatenating. Measured on this project's 2-core CPU box,
+  s=1024 b=2 n=16 d=128, forward+backward, median of 5 (torch 2.13 CPU):
+  fp32: eager 24-30 ms, hand-written 11-14 ms, torch.compile(eager) 18-25 ms (after 2-16 s of
+  compilation, again for each new shape/dtype); bf16: eager 14.5 ms, hand-written 15.5-19.6 ms,
+  torch.compile 16-20 ms. So fast uses the hand-written function for fp32/fp64 (and off the CPU), and
+  the plain formula for 16-bit floats on the CPU; torch.compile never paid for its compile time.
+- npu: ``torch_npu.npu_rotary_mul(x, cos, sin)``, whose documented semantics are
+  ``x * cos + rotate_half(x) * sin`` with the "rotate half" pairing on the last dim of a 4-D tensor.
+  It serves the non-interleaved case (MLA regrouping done before the call, partial rotary by slicing);
+  interleaved pairs fall back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, npu_module
+
+__all__ = ["apply_rotary", "rope_op"]
+
+
+def _cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
+
+
+def _check_shapes(t: torch.Tensor, freqs: torch.Tensor) -> int:
+    rot_dim = freqs.shape[-1]
+    if t.dim() != 4:
+        raise ValueError(f"apply_rotary: t must be [s, b, n, d], got shape {tuple(t.shape)}")
+    if rot_dim > t.shape[-1] or rot_dim % 2:
+        raise ValueError(f"apply_rotary: rotary dim {rot_dim} must be even and <= head dim {t.shape[-1]}")
+    return rot_dim
+
+
+# ----------------------------------------------------------------------------------------- eager
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Pairs (a, b) become (-b, a)."""
+    if interleaved:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack((-b, a), dim=-1).flatten(-2)
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _eager(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
+    rot_dim = _check_shapes(t, freqs)
+    x, rest = t[..., :rot_dim], t[..., rot_dim:]
+    if mla_interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    cos, sin = _cos_sin(freqs, t.dtype, mscale)
+    rotated = x * cos + _rotate_half(x, interleaved) * sin
+    return torch.cat((rotated, rest), dim=-1)
+
+
+# ------------------------------------------------------------------------------------------ fast
+def _pairs(x: torch.Tensor, interleaved: bool):
+    """The two members of each rotated pair, as views of x."""
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _input_pairs(t: torch.Tensor, rot_dim: int, interleaved: bool, mla: bool):
+    # MLA regrouping [evens, odds] then rotate-half pairing means pair i = (t[2i], t[2i + 1]).
+    return _pairs(t[..., :rot_dim], interleaved or mla)
+
+
+def _rotate_into(a, b, cos_a, sin_a, cos_b, sin_b, out_a, out_b, inverse: bool):
+    """out = R(theta) (a, b), or R(-theta) when ``inverse`` (the transpose, used by backward).
+
+    Forward: out_a = a cos_a - b sin_a, out_b = b cos_b + a sin_b.
+    Backward (transpose): out_a = a cos_a + b sin_b, out_b = b cos_b - a sin_a.
+    """
+    torch.mul(a, cos_a, out=out_a)
+    torch.mul(b, cos_b, out=out_b)
+    if inverse:
+        out_a.addcmul_(b, sin_b)
+        out_b.addcmul_(a, sin_a, value=-1)
+    else:
+        out_a.addcmul_(b, sin_a, value=-1)
+        out_b.addcmul_(a, sin_b)
+
+
+class _RotaryFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, cos, sin, interleaved: bool, mla: bool):
+        rot_dim = cos.shape[-1]
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        a, b = _input_pairs(t, rot_dim, interleaved, mla)
+        out_a, out_b = _pairs(out[..., :rot_dim], interleaved)
+        cos_a, cos_b = _pairs(cos, interleaved)
+        sin_a, sin_b = _pairs(sin, interleaved)
+        _rotate_into(a, b, cos_a, sin_a, cos_b, sin_b, out_a, out_b, inverse=False)
+        out[..., rot_dim:] = t[..., rot_dim:]
+        ctx.save_for_backward(cos, sin)
+        ctx.flags = (interleaved, mla)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        interleaved, mla = ctx.flags
+        rot_dim = cos.shape[-1]
+        grad_t = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        ga, gb = _pairs(grad[..., :rot_dim], interleaved)
+        out_a, out_b = _input_pairs(grad_t, rot_dim, interleaved, mla)
+        cos_a, cos_b = _pairs(cos, interleaved)
+        sin_a, sin_b = _pairs(sin, interleaved)
+        _rotate_into(ga, gb, cos_a, sin_a, cos_b, sin_b, out_a, out_b, inverse=True)
+        grad_t[..., rot_dim:] = grad[..., rot_dim:]
+        return grad_t, None, None, None, None
+
+
+# CPU dtypes where the hand-written function beats the plain formula (measured; see the module doc).
+_FUNCTION_DTYPES = (torch.float32, torch.float64)
+
+
+def _fast(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
+    _check_shapes(t, freqs)
+    if t.device.type == "cpu" and t.dtype not in _FUNCTION_DTYPES:
+        # Measured slower than the plain formula for 16-bit floats on CPU (see the module doc).
+        return _eager(t, freqs, interleaved=interleaved, mla_interleaved=mla_interleaved, mscale=mscale)
+    cos, sin = _cos_sin(freqs, t.dtype, mscale)
+    return _RotaryFn.apply(t, cos, sin, interleaved, mla_interleaved)
+
+
+def _fast_supports(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
+    if freqs.requires_grad:
+        return "the angles require grad (the fused backward only differentiates t)"
+    if interleaved and mla_interleaved:
+        return "MLA regrouping combined with interleaved pairs"
+    if t.dim() != 4 or freqs.shape[-1] > t.shape[-1] or freqs.shape[-1] % 2:
+        return "shape outside [s, b, n, d] with an even rotary dim <= d"
+    try:
+        torch.broadcast_shapes(freqs.shape[:-1], t.shape[:-1])
+    except RuntimeError:
+        return f"angles of shape {tuple(freqs.shape)} do not broadcast over t {tuple(t.shape)}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------- npu
+def _npu(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
+    rot_dim = freqs.shape[-1]
+    x, rest = t[..., :rot_dim], t[..., rot_dim:]
+    if mla_interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    cos, sin = _cos_sin(freqs, t.dtype, mscale)
+    rotated = npu_module().npu_rotary_mul(x.contiguous(), cos, sin)
+    return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+def _npu_supports(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
+    reason = need_npu_tensor(t, freqs)
+    if reason:
+        return reason
+    if interleaved:
+        return "npu_rotary_mul pairs channels as rotate-half, not interleaved"
+    if t.dim() != 4 or freqs.dim() != 4:
+        return "npu_rotary_mul takes 4-D tensors"
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {t.dtype}"
+    if freqs.requires_grad:
+        return "the angles require grad"
+    return None
+
+
+rope_op = Op(
+    "rope",
+    npu=Impl(_npu, _npu_supports),
+    fast=Impl(_fast, _fast_supports),
+    eager=Impl(_eager),
+)
+
+
+def apply_rotary(t: torch.Tensor, freqs: torch.Tensor, *, interleaved: bool = False,
+                 mla_interleaved: bool = False, mscale: float = 1.0, backend: str | None = None):
+    """Rotate ``t`` [s, b, n, d] by the angles ``freqs`` [s, 1|b, 1, rot_dim]; see the module doc."""
+    return rope_op(t, freqs, interleaved=interleaved, mla_interleaved=mla_interleaved,
+                   mscale=mscale, backend=backend)

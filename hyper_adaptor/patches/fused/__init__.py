@@ -1,0 +1,1 @@
+"""Level-1 patches: megatron-core seams swapped for hyper_adaptor/ops."""

@@ -1,0 +1,82 @@
+"""Level 1 whole model: a GPT (RMSNorm, SwiGLU, RoPE) with every level-1 flag against the same GPT at
+level 0, TP2 on gloo, 3 Adam steps; and level 0 with the same flags leaves Megatron untouched.
+
+Level 0 here is megatron-core's own local-spec path (torch RMSNorm, unfused SwiGLU and RoPE,
+DotProductAttention, plain weight-gradient accumulation). Tolerances: fp32 losses 1e-5 relative,
+gradients and parameters 1e-4 absolute (the fused ops reorder floating-point sums: flash attention's
+online softmax, RMSNorm's fused reduction); bf16 losses 2e-2 relative. Level 0 with the level-1
+flags must be bit-identical to level 0.
+"""
+
+import pytest
+
+from tests.distributed.gpt_parity import Layout, compare
+from tests.distributed.world import run_world
+
+pytestmark = pytest.mark.distributed
+
+TARGET = "tests.distributed.gpt_parity:train_many"
+FP32 = dict(loss_rtol=1e-5, grad_atol=1e-4, param_atol=1e-4)
+MODERN = dict(normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False)
+FLAGS = dict(
+    use_fused_rmsnorm=True,
+    use_fused_swiglu=True,
+    use_fused_rotary_pos_emb=True,
+    use_flash_attn=True,
+    gradient_accumulation_fusion=True,
+    normalization="RMSNorm",
+    swiglu=True,
+    bias_swiglu_fusion=True,
+    position_embedding_type="rope",
+)
+
+
+def _layout(level: int | None, bf16: bool = False) -> Layout:
+    import torch.nn.functional as F
+
+    extra = dict(MODERN, activation_func=F.silu)
+    if level == 1:
+        # what megatron.training derives from the flags: the fused SwiGLU is called through
+        # bias_activation_fusion, the fused wgrad through gradient_accumulation_fusion
+        extra.update(bias_activation_fusion=True, gradient_accumulation_fusion=True)
+    features = None if level is None else dict(FLAGS, optimization_level=level)
+    return Layout(tp=2, bf16=bf16, extra=extra, model=dict(position_embedding_type="rope"), features=features)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    # Level-1 layouts last: the features stay applied in the worker processes once applied.
+    layouts = {
+        "level0": _layout(None),
+        "level0-bf16": _layout(None, bf16=True),
+        "level0-with-flags": _layout(0),
+        "level1": _layout(1),
+        "level1-bf16": _layout(1, bf16=True),
+    }
+    return run_world(2, TARGET, timeout=600, layouts=layouts)[0]
+
+
+def test_level1_matches_level0_fp32(runs):
+    assert len(runs["level1"]["loss"]) == 3
+    assert compare(runs["level0"], runs["level1"], **FP32) == []
+    assert runs["level1"]["loss"][2] < runs["level1"]["loss"][0]  # it trains
+
+
+def test_level1_bf16_close_to_level0_bf16(runs):
+    got, want = runs["level1-bf16"]["loss"], runs["level0-bf16"]["loss"]
+    assert all(abs(g - w) <= 2e-2 * abs(w) for g, w in zip(got, want)), (got, want)
+
+
+def test_level0_with_level1_flags_is_untouched(runs):
+    assert runs["level0-with-flags"]["loss"] == runs["level0"]["loss"]
+    for kind in ("grads", "params"):
+        for want, got in zip(runs["level0"][kind], runs["level0-with-flags"][kind]):
+            assert all((want[k] - got[k]).abs().max().item() == 0.0 for k in want)
+
+
+def test_level1_really_ran_the_fused_ops(runs):
+    # level 0 with the flags touched no op; level 1 ran every one of them on the fast backend
+    assert not any(sum(c.values()) for c in runs["level0-with-flags"]["op_calls"].values())
+    calls = runs["level1"]["op_calls"]
+    for op in ("rms_norm", "swiglu", "rope", "attention", "wgrad_accum"):
+        assert calls[op]["fast"] > 0, (op, calls)

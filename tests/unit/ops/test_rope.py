@@ -1,0 +1,123 @@
+"""hyper_adaptor.ops.rope against its eager reference and megatron-core's own unfused RoPE."""
+
+import types
+
+import pytest
+import torch
+
+import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron imports on CPU)
+from hyper_adaptor.ops import rope
+from hyper_adaptor.patch_manager import PatchManager
+from hyper_adaptor.patches.fused import rope as rope_patch
+from megatron.core.models.common.embeddings import rope_utils
+
+# (rtol, atol) per dtype. fp32: the fused function reorders a few roundings; bf16: one bf16 ulp at |x|~4.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 3e-2)}
+# (s, b, n, d, rot_dim): odd head dims, a single token, partial rotary
+SHAPES = [(7, 2, 3, 80, 80), (1, 1, 2, 96, 96), (5, 2, 4, 128, 64), (6, 1, 2, 96, 32)]
+
+
+def _inputs(shape, dtype, seed=0, batch_freqs=False):
+    s, b, n, d, rot = shape
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(s, b, n, d, generator=g).to(dtype)
+    freqs = torch.rand(s, b if batch_freqs else 1, 1, rot, generator=g) * 6.0
+    grad = torch.randn(s, b, n, d, generator=g).to(dtype)
+    return t, freqs, grad
+
+
+def _run(fn, t, grad):
+    x = t.clone().requires_grad_()
+    out = fn(x)
+    out.backward(grad)
+    return out.detach(), x.grad
+
+
+def _megatron(t, freqs, interleaved, mla, mscale):
+    return lambda x: rope_utils._apply_rotary_pos_emb_bshd(
+        x, freqs, rotary_interleaved=interleaved, mla_rotary_interleaved=mla, mscale=mscale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("interleaved,mla", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("backend", ["eager", "fast"])
+def test_matches_megatron_forward_and_backward(backend, interleaved, mla, shape, dtype):
+    t, freqs, grad = _inputs(shape, dtype)
+    mscale = 0.75 if mla else 1.0
+    want = _run(_megatron(t, freqs, interleaved, mla, mscale), t, grad)
+    got = _run(lambda x: rope.apply_rotary(x, freqs, interleaved=interleaved, mla_interleaved=mla,
+                                           mscale=mscale, backend=backend), t, grad)
+    rtol, atol = TOL[dtype]
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("interleaved,mla", [(False, False), (True, False), (False, True)])
+def test_fast_fp32_uses_the_fused_function_and_matches_eager(interleaved, mla):
+    t, freqs, grad = _inputs((9, 2, 3, 96, 64), torch.float32, seed=1, batch_freqs=True)
+    assert rope.rope_op.resolve(t, freqs, interleaved=interleaved, mla_interleaved=mla) == "fast"
+    x = t.clone().requires_grad_()
+    out = rope.apply_rotary(x, freqs, interleaved=interleaved, mla_interleaved=mla, backend="fast")
+    assert type(out.grad_fn).__name__ == "_RotaryFnBackward"
+    out.backward(grad)
+    want = _run(lambda y: rope.apply_rotary(y, freqs, interleaved=interleaved, mla_interleaved=mla,
+                                            backend="eager"), t, grad)
+    torch.testing.assert_close(out.detach(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, want[1], rtol=1e-5, atol=1e-5)
+    # the pass-through channels are untouched, the rotated ones are not
+    assert torch.equal(out[..., 64:], t[..., 64:]) and not torch.allclose(out[..., :64], t[..., :64])
+
+
+def test_fast_falls_back_when_the_angles_need_grad():
+    t, freqs, _ = _inputs((4, 1, 2, 80, 80), torch.float32)
+    assert rope.rope_op.resolve(t, freqs.requires_grad_(), backend="fast") == "eager"
+
+
+def _config(interleaved):
+    return types.SimpleNamespace(rotary_interleaved=interleaved, multi_latent_attention=False,
+                                 apply_rope_fusion=False, mrope_section=None)
+
+
+class _OneRank:
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_patch_routes_bshd_to_the_op_and_thd_to_megatron_and_undoes(interleaved, monkeypatch):
+    original = rope_utils.apply_rotary_pos_emb
+    import megatron.core.transformer.attention as attention_module
+
+    assert attention_module.apply_rotary_pos_emb is original
+    t, freqs, grad = _inputs((6, 2, 2, 96, 64), torch.float32, seed=3)
+    config, group = _config(interleaved), _OneRank()
+    want = _run(lambda x: original(x, freqs, config, mscale=0.5, cp_group=group), t, grad)
+    packed = t[:, 0]  # [t, h, d] with cu_seqlens
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    want_thd = original(packed, freqs, config, cu_seqlens=cu, cp_group=group)
+
+    manager = PatchManager()
+    manager.register_all(rope_patch.patches(None))
+    manager.apply()
+    try:
+        patched = rope_utils.apply_rotary_pos_emb
+        assert patched is not original and attention_module.apply_rotary_pos_emb is patched
+        calls = []
+        monkeypatch.setattr(rope_patch, "apply_rotary",
+                            lambda *a, **k: (calls.append(k), rope.apply_rotary(*a, **k))[1])
+        got = _run(lambda x: patched(x, freqs, config, mscale=0.5, cp_group=group), t, grad)
+        assert [c["interleaved"] for c in calls] == [interleaved] and calls[0]["mscale"] == 0.5
+        got_thd = patched(packed, freqs, config, cu_seqlens=cu, cp_group=group)
+        assert len(calls) == 1  # packed input stayed with megatron
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_thd, want_thd)
+    finally:
+        manager.undo()
+    assert rope_utils.apply_rotary_pos_emb is original
+    assert attention_module.apply_rotary_pos_emb is original
