@@ -170,8 +170,11 @@ class Adaptor:
         for feature in FEATURES:
             if feature.name in self.applied_features or not feature.is_enabled(args):
                 continue
-            self.manager.register_all(feature.patches(args))
+            patches = feature.patches(args)
+            self.manager.register_all(patches)
             newly.append(feature.name)
+            if not feature.always_on:
+                _notice(f"{feature.name} (level {feature.level}) applied: {len(patches)} patch(es)")
         self.manager.apply()
         for name in newly:
             features.get(name).on_applied(args)

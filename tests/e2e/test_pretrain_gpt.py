@@ -27,10 +27,10 @@ MODEL = (
 ).split()
 
 
-def pretrain(nproc, *args, timeout=420):
+def pretrain(nproc, *args, timeout=420, model=MODEL):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), "examples/pretrain_gpt.py", *MODEL, *args,
+        "--master-port", str(free_port()), "examples/pretrain_gpt.py", *model, *args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
@@ -82,3 +82,17 @@ def test_train_save_resume_tp2_pp2(corpus, tmp_path):
 def test_mock_data_single_process():
     losses, _ = pretrain(1, "--mock-data", "--train-iters", "2")
     assert sorted(losses) == [1, 2]
+
+
+def test_level1_flags_through_megatron_training():
+    """The level-1 flags on a real megatron.training command line: every feature is applied (one
+    notice each) and the run trains; the numerics are checked in tests/distributed/test_level1_parity.py."""
+    flags = (
+        "--optimization-level 1 --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
+        "--use-flash-attn --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear"
+    ).split()
+    model = [a for a in MODEL if a != "--no-bias-swiglu-fusion"]  # the fused SwiGLU rides on that fusion
+    losses, output = pretrain(1, "--mock-data", "--train-iters", "2", *flags, model=model)
+    assert sorted(losses) == [1, 2]
+    for feature in ("fused_rmsnorm", "fused_swiglu", "fused_rope", "flash_attn", "grad_accum_fusion"):
+        assert f"{feature} (level 1) applied" in output, feature

@@ -185,3 +185,32 @@ def test_describe_reports_bad_level():
         capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0 and "--optimization-level" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--use-fused-swiglu", "--swiglu", "--no-bias-swiglu-fusion"), "--use-fused-swiglu and --no-bias-swiglu-fusion"),
+        (("--use-fused-swiglu",), "--use-fused-swiglu needs --swiglu"),
+        (("--use-fused-rmsnorm",), "--use-fused-rmsnorm needs --normalization RMSNorm, got --normalization LayerNorm"),
+        (("--use-fused-rotary-pos-emb", "--position-embedding-type", "learned_absolute"),
+         "--use-fused-rotary-pos-emb needs --position-embedding-type rope"),
+    ],
+)
+def test_level1_flag_conflicts_name_the_flags(flags, message):
+    with pytest.raises(FeatureConfigError, match=message):
+        ADAPTOR.prepare(megatron_args("--optimization-level", "1", *flags))
+
+
+def test_level1_flags_refuse_transformer_engine_impl(monkeypatch):
+    from hyper_adaptor.patches.compat import arguments
+
+    monkeypatch.setattr(arguments, "have_transformer_engine", lambda: True)  # TE present: not switched
+    with pytest.raises(FeatureConfigError, match="--use-flash-attn .*--transformer-impl is 'transformer_engine'"):
+        ADAPTOR.prepare(megatron_args("--use-flash-attn"))
+
+
+def test_unknown_fused_backend_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        megatron_args("--fused-backend", "cuda")
+    assert "--fused-backend" in capsys.readouterr().err
