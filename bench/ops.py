@@ -217,7 +217,23 @@ def run(args) -> dict:
             "shapes": shapes, "scale_note": f"real model dims divided by {args.scale} (head dim kept at 128)",
             "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                         "python": py_platform.python_version(), "torch": torch.__version__},
-            "repeats": args.repeats, "rows": rows}
+            "repeats": args.repeats, "rows": rows,
+            "attention_memory": attention_memory_sweep(shapes["heads"], shapes["head_dim"], dtype, args.backend)}
+
+
+def attention_memory_sweep(heads: int, head_dim: int, dtype: torch.dtype, backend: str | None) -> list[dict]:
+    """Bytes autograd saves for causal attention as the sequence doubles: O(s) fused, O(s^2) eager."""
+    from hyper_adaptor.ops import attention as att
+
+    rows = []
+    for seq in (256, 512, 1024, 2048):
+        q, k, v = (_leaf((seq, 1, heads, head_dim), dtype, i) for i in (4, 5, 6))
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        fused = saved_bytes(lambda: att.attention(q, k, v, causal=True, scale=head_dim ** -0.5, backend=backend))
+        eager = saved_bytes(lambda: att.attention(q, k, v, causal=True, mask=mask, scale=head_dim ** -0.5,
+                                                  backend="eager"))
+        rows.append({"seq": seq, "fused_saved_bytes": fused, "eager_saved_bytes": eager})
+    return rows
 
 
 def _one(fn, inputs, no_grad) -> float:
@@ -239,7 +255,15 @@ def table(result: dict) -> str:
         mib = "/".join(f"{s[k] / 2**20:.1f}" for k in ("fused", "eager", "megatron"))
         lines.append(" | ".join((r["op"], r["shape"], f"{m['fused']:.2f}", f"{m['eager']:.2f}", f"{m['megatron']:.2f}",
                                  f"{r['speedup_vs_eager']:.2f}", f"{r['speedup_vs_megatron']:.2f}", mib)))
-    return "\n".join(f"| {line} |" for line in lines)
+    sweep = ["", "| seq | attention saved MiB fused | eager | fused growth per 2x seq | eager growth |",
+             "| --- | --- | --- | --- | --- |"]
+    prev = None
+    for r in result["attention_memory"]:
+        f, e = r["fused_saved_bytes"] / 2**20, r["eager_saved_bytes"] / 2**20
+        growth = ("-", "-") if prev is None else (f"{f / prev[0]:.2f}x", f"{e / prev[1]:.2f}x")
+        sweep.append(f"| {r['seq']} | {f:.1f} | {e:.1f} | {growth[0]} | {growth[1]} |")
+        prev = (f, e)
+    return "\n".join(f"| {line} |" for line in lines) + "\n" + "\n".join(sweep)
 
 
 def main(argv=None):
