@@ -72,12 +72,10 @@ import argparse
 import datetime
 import gc
 import hashlib
-import importlib.metadata
 import json
 import logging
 import math
 import os
-import platform as py_platform
 import socket
 import statistics
 import subprocess
@@ -92,6 +90,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/level0_overhead.py` puts bench/ first, not the root
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench import _results as bench_results  # noqa: E402
 from hyper_adaptor import platform as ha_platform  # noqa: E402
 from hyper_adaptor.patch_manager import Patch, PatchManager  # noqa: E402
 from hyper_adaptor.patches.compat import imports as compat_imports  # noqa: E402
@@ -369,7 +368,7 @@ def find_minimum(verbose: bool = True) -> dict:
         raise RuntimeError(f"the step does not run even under the full level 0: {reason}")
     empty_reason = _runs(Config("none", [], False))
     say(f"without any level-0 patch: {empty_reason or 'runs'}")
-    kept, needed_because, unused = list(full), {}, []
+    kept, needed_because = list(full), {}
     for patch in full:
         candidate = [p for p in kept if p is not patch]
         reason = _runs(Config("candidate", candidate, False))
@@ -451,31 +450,6 @@ def _timed_segment(config: Config, model, optimizer, batches, steps: int) -> lis
     return times
 
 
-def _machine() -> dict:
-    cpu_model = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        megatron_version = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        megatron_version = None
-    return {
-        "processor": py_platform.processor(),
-        "machine": py_platform.machine(),
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": py_platform.python_version(),
-        "torch": torch.__version__,
-        "megatron_core": megatron_version,
-    }
-
-
 def measure(steps: int, rounds: int, warmup: int) -> dict:
     full_patches = level0_patches()
     fingerprint = level0_fingerprint(full_patches)
@@ -528,7 +502,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     return {
         "benchmark": "level0_overhead",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": _machine(),
+        "machine": bench_results.machine(),
         "settings": {
             "steps_per_round": steps, "rounds": rounds, "warmup_steps_per_config": warmup,
             "model": {"hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "layers": LAYERS, "seq": SEQ,
@@ -617,10 +591,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = measure(steps, rounds, warmup)
     result["settings"]["quick"] = args.quick
     print(format_table(result))
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    bench_results.write(result, Path(args.json))
     return result
 
 

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform as py_platform
 import statistics
 import sys
 import time
@@ -37,7 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-import hyper_adaptor.megatron_adaptor  # noqa: E402,F401  (level 0: megatron importable here)
+import hyper_adaptor.megatron_adaptor  # noqa: E402,F401
+from bench import _results as bench_results  # noqa: E402  (level 0: megatron importable here)
 from hyper_adaptor import platform as ha_platform  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "ops.json"
@@ -215,8 +214,7 @@ def run(args) -> dict:
     return {"benchmark": "ops", "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": ha_platform.device_type(), "dtype": args.dtype, "backend": args.backend or "platform default",
             "shapes": shapes, "scale_note": f"real model dims divided by {args.scale} (head dim kept at 128)",
-            "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                        "python": py_platform.python_version(), "torch": torch.__version__},
+            "machine": bench_results.machine(),
             "repeats": args.repeats, "rows": rows,
             "attention_memory": attention_memory_sweep(shapes["heads"], shapes["head_dim"], dtype, args.backend)}
 
@@ -285,9 +283,7 @@ def main(argv=None):
     path = Path(args.json)
     if args.dtype != "fp32" or args.backend:
         path = path.with_name(f"{path.stem}-{args.dtype}{'-' + args.backend if args.backend else ''}{path.suffix}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    bench_results.write(result, path)
     return result
 
 

@@ -24,7 +24,8 @@ class Flag:
     help: str
     kwargs: dict = field(default_factory=dict)
     # "megatron": the flag is Megatron's own (e.g. --use-flash-attn, --gradient-accumulation-fusion);
-    # the feature reads it but does not add it to the parser. ``default`` is then Megatron's default.
+    # the feature reads it but does not add it to the parser (``default()`` is only what a namespace
+    # built without Megatron's parser gets, see ``fill_defaults``).
     owner: str = "hyper_adaptor"
 
     @property

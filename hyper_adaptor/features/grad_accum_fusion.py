@@ -15,12 +15,8 @@ class GradAccumFusion(Feature):
     level = 1
     summary = "weight-gradient GEMM accumulated in fp32 into main_grad (apex's semantics, any device)"
     flags = (
-        Flag(
-            "--gradient-accumulation-fusion",
-            "megatron's flag (default on; --no-gradient-accumulation-fusion)",
-            {"action": "store_true", "default": True},
-            owner="megatron",
-        ),
+        # Megatron's own flag, on by default there; a namespace without it (adapt()) counts as off.
+        Flag("--gradient-accumulation-fusion", "megatron's flag (--no-gradient-accumulation-fusion)", owner="megatron"),
     )
 
     def requested(self, args) -> bool:

@@ -12,7 +12,6 @@ import importlib.machinery
 import importlib.util
 import logging
 import sys
-import types
 import typing
 
 logger = logging.getLogger("hyper_adaptor.compat")

@@ -109,12 +109,18 @@ def _norm_with_sequence_parallel(original_new):
             return original_new(cls, config, *args, **kwargs)
         local_config = copy.copy(config)
         local_config.sequence_parallel = False
-        norm = original_new(cls, local_config, *args, **kwargs)
-        for param in norm.parameters():
-            param.sequence_parallel = True
-        return norm
+        return mark_sequence_parallel(original_new(cls, local_config, *args, **kwargs), config)
 
     return build
+
+
+def mark_sequence_parallel(norm, config):
+    """Under sequence parallelism each TP rank's norm sees a slice of the sequence; parameters marked
+    ``sequence_parallel`` get their gradients all-reduced over TP by megatron's finalize_model_grads."""
+    if getattr(config, "sequence_parallel", False):
+        for param in norm.parameters():
+            param.sequence_parallel = True
+    return norm
 
 
 # --- interleaved pipeline with PP=2 and batched P2P ------------------------------------------

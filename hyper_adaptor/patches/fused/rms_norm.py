@@ -3,8 +3,8 @@
 
 Composition with level 0: compat also wraps ``WrappedTorchNorm.__new__`` (it lets sequence parallel
 through and marks the norm's parameters ``sequence_parallel``). This wrap is declared after compat,
-so it is the outer one and builds the RMSNorm itself: it marks the parameters the same way, and
-calls compat's wrap (hence the original) only for the other norms.
+so it is the outer one and builds the RMSNorm itself, marking its parameters with compat's
+``mark_sequence_parallel``; other norms go through compat's wrap (hence the original).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.compat.megatron_core import mark_sequence_parallel
 
 FEATURE = "fused_rmsnorm"
 TARGET = "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"
@@ -29,12 +30,7 @@ def _build_fused_rmsnorm(original_new):
             eps,
             zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)),
         )  # default dtype and device, like the torch.nn.RMSNorm it replaces (the model casts later)
-        if getattr(config, "sequence_parallel", False):
-            # Each TP rank sees a slice of the sequence: finalize_model_grads all-reduces the
-            # gradients of parameters so marked (as level 0 does for megatron's own norm).
-            for param in norm.parameters():
-                param.sequence_parallel = True
-        return norm
+        return mark_sequence_parallel(norm, config)
 
     return build
 

@@ -1,0 +1,44 @@
+"""What every bench/ script records with its figures: the machine, and the JSON file."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform as py_platform
+from pathlib import Path
+
+import torch
+
+
+def machine() -> dict:
+    """The machine and software a result was measured on."""
+    cpu_model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        megatron_version = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        megatron_version = None
+    return {
+        "processor": py_platform.processor(),
+        "machine": py_platform.machine(),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": py_platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": megatron_version,
+    }
+
+
+def write(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+    return path
