@@ -1,0 +1,13 @@
+"""HSDP — hybrid sharded data parallel (ZeRO levels 1/2/3 over shard groups, replicas beyond them).
+
+No megatron import here: ``hyper_adaptor.patches.hsdp`` adapts Megatron's DDP and optimizer set-up
+to this engine. See docs/features/hsdp.md.
+"""
+
+from hyper_adaptor.parallel.hsdp._config import CPUOffloadPolicy, HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
+from hyper_adaptor.parallel.hsdp.api import HSDPModule, clip_grad_norm_, fully_shard, hsdp, hsdp_sync_stream
+
+__all__ = [
+    "CPUOffloadPolicy", "HSDPConfig", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
+    "clip_grad_norm_", "fully_shard", "hsdp", "hsdp_sync_stream",
+]

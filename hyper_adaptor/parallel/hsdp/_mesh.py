@@ -1,0 +1,77 @@
+"""The process groups HSDP communicates over.
+
+A data-parallel group of W ranks is cut into W/S shard groups of S consecutive ranks (parameters,
+gradients and optimizer state are split over a shard group) and S replicate groups of the ranks
+holding the same shard (gradient shards are all-reduced over them). The DTensor view of the sharded
+parameters is a 1-D mesh over the shard group, or a 2-D (replicate, shard) mesh when W > S.
+
+Groups are created with ``new_subgroups_by_enumeration`` from the list of every rank's
+data-parallel group, gathered from all ranks, so that a data-parallel group that is itself a
+subgroup (Megatron's, next to TP and PP) is cut the same way on every rank without deadlock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class HSDPMesh:
+    dp_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    device_mesh: DeviceMesh
+    dp_size: int
+    shard_size: int
+    shard_rank: int
+
+    @property
+    def replicas(self) -> int:
+        return self.dp_size // self.shard_size
+
+
+_CACHE: dict = {}
+
+
+def _all_data_parallel_groups(dp_ranks: list[int]) -> list[list[int]]:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dp_ranks)
+    return sorted({tuple(g) for g in gathered})
+
+
+def build_mesh(dp_group: dist.ProcessGroup | None, shard_size: int, device_type: str) -> HSDPMesh:
+    """Shard / replicate groups for ``dp_group`` (default: the world) with shards of ``shard_size``."""
+    dp_group = dp_group if dp_group is not None else dist.group.WORLD
+    dp_ranks = dist.get_process_group_ranks(dp_group)
+    dp_size = len(dp_ranks)
+    shard_size = dp_size if shard_size == -1 else shard_size
+    key = (id(dp_group), tuple(dp_ranks), shard_size, device_type)
+    cached = _CACHE.get(key)
+    if cached is not None and cached.dp_group is dp_group:  # (a re-initialised world is a new object)
+        return cached
+    me = dist.get_rank()
+    position = dp_ranks.index(me)
+    if shard_size == dp_size:
+        shard_group, replicate_group = dp_group, None
+        mesh = DeviceMesh.from_group(dp_group, device_type, mesh=torch.tensor(dp_ranks), mesh_dim_names=("shard",))
+    else:
+        groups = _all_data_parallel_groups(dp_ranks)
+        shard_lists, replicate_lists = [], []
+        for ranks in groups:
+            for start in range(0, len(ranks), shard_size):
+                shard_lists.append(list(ranks[start : start + shard_size]))
+            for offset in range(shard_size):
+                replicate_lists.append(list(ranks[offset::shard_size]))
+        shard_group, _ = dist.new_subgroups_by_enumeration(shard_lists)
+        replicate_group, _ = dist.new_subgroups_by_enumeration(replicate_lists)
+        layout = torch.tensor(dp_ranks).view(dp_size // shard_size, shard_size)
+        mesh = DeviceMesh.from_group(
+            [replicate_group, shard_group], device_type, mesh=layout, mesh_dim_names=("replicate", "shard")
+        )
+    result = HSDPMesh(dp_group, shard_group, replicate_group, mesh, dp_size, shard_size, position % shard_size)
+    _CACHE[key] = result
+    return result

@@ -1,0 +1,205 @@
+"""One managed parameter: its shard (what the optimizer sees) and its gathered full copy (what
+forward and backward compute with).
+
+Sharding is along dim 0, padded to a multiple of the shard-group size: rank r owns rows
+``[r*c, (r+1)*c)`` of the padded parameter (c = ceil(rows / S)), the ``torch.chunk`` split that
+DTensor's ``Shard(0)`` describes, so the registered shard is a DTensor that torch's optimizers,
+``clip_grad_norm_`` and ``torch.distributed.checkpoint`` understand. Parameters below the size
+threshold (and 0-d ones) stay whole on every rank (a ``Replicate()`` DTensor) and have their
+gradients all-reduced.
+
+Memory, per level (Ψ elements, N shard ranks, same dtype for compute and master):
+* level 1: full parameter + full gradient kept; the shard and its gradient are *views* of this
+  rank's rows of them, so only the optimizer state is sharded (ZeRO-1).
+* level 2: full parameter kept, the shard is a view of it; the full gradient is released once
+  reduced; the gradient shard is its own buffer (ZeRO-2).
+* level 3: only the shard and its gradient are kept; the full parameter is gathered for forward and
+  again for backward, and released after each (ZeRO-3).
+With a separate compute dtype (mixed precision) the shard is its own master-dtype buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from hyper_adaptor.parallel.hsdp._config import HSDPConfig
+from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
+
+
+class HSDPParam:
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], config: HSDPConfig,
+                 mesh: HSDPMesh, device: torch.device):
+        self.owners = owners
+        self.fqn = owners[0][1]
+        self.config = config
+        self.mesh = mesh
+        self.shape = param.shape
+        self.master_dtype = param.dtype
+        self.compute_dtype = config.param_dtype or param.dtype
+        self.reduce_dtype = config.reduce_dtype or self.compute_dtype
+        self.device = device
+        self.shard_device = torch.device("cpu") if config.offload else device
+        nbytes = param.numel() * param.element_size()
+        self.sharded = param.dim() > 0 and mesh.shard_size > 1 and nbytes >= config.threshold * 1024
+        S, r = (mesh.shard_size, mesh.shard_rank) if self.sharded else (1, 0)
+        rows = self.shape[0] if param.dim() > 0 else 1
+        self.row_numel = param.numel() // rows if rows else 0
+        self.rows_per_rank = math.ceil(rows / S)
+        self.chunk_numel = self.rows_per_rank * self.row_numel  # padded numel each rank sends
+        self.local_rows = max(0, min(rows - r * self.rows_per_rank, self.rows_per_rank))
+        self.row_start = r * self.rows_per_rank
+        self.aliased = self.master_dtype == self.compute_dtype and not config.reshard_after_forward and not config.offload
+        self.grad_state = "empty"  # empty | local (accumulated, unreduced) | reduced
+        self._stash: torch.Tensor | None = None
+        # True once the shard has changed since the full copy was gathered (set after every optimizer
+        # step and state-dict load, see _state.py); level 1/2 re-gather lazily at the next forward.
+        self.stale = False
+
+        data = param.detach().to(device)
+        # The full copy is one leaf Parameter object for the whole run: autograd saves it for backward,
+        # hooks are attached to it, and level 3 frees / refills its storage in place.
+        self.full = nn.Parameter(data.to(self.compute_dtype, copy=True), requires_grad=param.requires_grad)
+        if self.aliased:
+            local = self.full.data[self.row_start : self.row_start + self.local_rows] if self.sharded else self.full.data
+        else:
+            local = self._own_rows(data).to(self.shard_device, self.master_dtype, copy=True)
+        self.local = local
+        self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+        self.sharded_param._hsdp_param = self  # marks the parameter as managed (nested wrapping skips it)
+        if self.full.requires_grad:
+            self.full.register_hook(self._before_accumulate)
+        if config.reshard_after_forward:
+            self.free_full()
+
+    # -- views -------------------------------------------------------------------------------------
+    def _own_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return tensor
+        return tensor[self.row_start : self.row_start + self.local_rows]
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        ndim = self.mesh.device_mesh.ndim
+        if self.sharded:
+            placements = [Replicate()] * (ndim - 1) + [Shard(0)]
+        else:
+            placements = [Replicate()] * ndim
+        return DTensor.from_local(
+            local, self.mesh.device_mesh, placements, run_check=False, shape=self.shape,
+            stride=torch.empty(self.shape, device="meta").stride(),
+        )
+
+    def register_full(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.full
+
+    def register_sharded(self) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = self.sharded_param
+
+    # -- parameter gathering -----------------------------------------------------------------------
+    def needs_gather(self) -> bool:
+        if self.config.reshard_after_forward and self.full.untyped_storage().size() == 0:
+            return True
+        return self.stale
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's padded rows, flat, in the compute dtype (cast before communication)."""
+        out = torch.zeros(self.chunk_numel, dtype=self.compute_dtype, device=self.device)
+        out[: self.local.numel()].copy_(self.local.reshape(-1))
+        return out
+
+    def alloc_full(self) -> None:
+        storage = self.full.untyped_storage()
+        needed = self.full.numel() * self.full.element_size()
+        if storage.size() != needed:
+            storage.resize_(needed)
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    def write_gathered(self, rank_major: torch.Tensor) -> None:
+        """``rank_major`` is (S, chunk_numel): every rank's padded rows; keep the unpadded ones."""
+        self.alloc_full()
+        with torch.no_grad():
+            flat = rank_major.reshape(-1)[: self.full.numel()]
+            # .data: the version counter of the leaf autograd saved must not move
+            self.full.data.view(-1).copy_(flat)
+        self.stale = False
+
+    def refresh_unsharded(self) -> None:
+        """A replicated (below-threshold) parameter: the full copy is the shard, cast if needed."""
+        self.alloc_full()
+        if not self.aliased:
+            with torch.no_grad():
+                self.full.data.copy_(self.local)
+        self.stale = False
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _before_accumulate(self, grad):
+        """Runs before autograd adds this backward's gradient into ``full.grad``.
+
+        Level 1 keeps the full gradient: once the optimizer has consumed (cleared) the shard's
+        gradient the full one is zeroed; if a reduced shard gradient is still held (two synced
+        backwards in one step), it is stashed so the next reduction adds to it exactly."""
+        if self.grad_state == "reduced" and self.config.keeps_full_grads and self.full.grad is not None:
+            if self.sharded_param.grad is not None:
+                self._stash = self._own_rows(self.full.grad.data).clone()
+            self.full.grad.data.zero_()
+            self.grad_state = "empty"
+        return grad
+
+    def reduce_input(self, slot: torch.Tensor) -> None:
+        """Write the full gradient, padded, into ``slot`` ((S, chunk_numel), possibly a strided
+        column block of a fused bucket); zeros when this backward produced no gradient for it."""
+        grad = self.full.grad
+        target = slot if slot.is_contiguous() else torch.empty_like(slot)
+        flat = target.view(-1)
+        if grad is None:
+            flat.zero_()
+        else:
+            n = grad.numel()
+            flat[:n].copy_(grad.reshape(-1))
+            flat[n:].zero_()
+        if target is not slot:
+            slot.copy_(target)
+
+    def accept_reduced(self, local_grad_flat: torch.Tensor) -> None:
+        """``local_grad_flat``: this rank's reduced (summed and scaled) padded rows."""
+        local = local_grad_flat[: self.local.numel()].view(self.local.shape)
+        if self.config.keeps_full_grads and self.full.grad is not None:
+            full_grad = self.full.grad.data
+            mine = self._own_rows(full_grad)
+            mine.copy_(local)
+            if self._stash is not None:
+                mine.add_(self._stash)
+                self._stash = None
+            if self.sharded:  # the other rows were consumed by the reduction
+                full_grad[: self.row_start].zero_()
+                full_grad[self.row_start + self.local_rows :].zero_()
+            grad_local = mine if self.aliased else mine.to(self.shard_device, self.master_dtype)
+            if self.sharded_param.grad is None or self.aliased:
+                self.sharded_param.grad = self._as_dtensor(grad_local)
+            else:
+                self.sharded_param.grad.to_local().copy_(grad_local)
+        else:
+            local = local.to(self.shard_device, self.master_dtype)
+            if self.sharded_param.grad is None:
+                self.sharded_param.grad = self._as_dtensor(local.clone())
+            else:
+                self.sharded_param.grad.to_local().add_(local)
+            self.full.grad = None
+        self.grad_state = "reduced"
+
+    def zero_grad(self) -> None:
+        self.sharded_param.grad = None
+        if self.full.grad is not None:
+            if self.config.keeps_full_grads:
+                self.full.grad.data.zero_()
+            else:
+                self.full.grad = None
+        self._stash = None
+        self.grad_state = "empty"

@@ -1,0 +1,229 @@
+"""Per-wrapped-module state and the hooks that drive HSDP through forward and backward.
+
+Forward: the pre-hook gathers this module's parameters (if freed or stale) and registers the full
+copies on their modules; the post-hook puts the shards back (what ``parameters()`` and the
+optimizer see), frees the full copies at level 3, and hooks the outputs so that the gradient
+arriving at them — the start of this module's backward — gathers the parameters again.
+
+Backward: each full parameter's post-accumulate-grad hook marks it ready in its bucket; buckets are
+reduced in a fixed order (so every rank issues the same collectives in the same order) as soon as
+they and all buckets before them are ready, synchronously or overlapped with the rest of backward
+(``comm_async``). A callback queued on the autograd engine runs when the whole backward is done: it
+reduces what is left (parameters that got no gradient contribute zeros), waits for every pending
+reduction and frees level-3 parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hyper_adaptor.parallel.hsdp._bucket import Bucket, make_buckets
+from hyper_adaptor.parallel.hsdp._config import HSDPConfig
+from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
+from hyper_adaptor.parallel.hsdp._param import HSDPParam
+
+# The states taking part in the backward pass now running (one list per process: autograd runs one
+# backward at a time on the thread that started it).
+_BACKWARD: dict = {"queued": False, "states": []}
+ALL_STATES: "weakref.WeakSet[HSDPState]" = weakref.WeakSet()
+
+
+def _mark_stale(optimizer, args, kwargs) -> None:
+    # A DTensor updated in place does not move the version counter of the local tensor it wraps,
+    # so staleness is told by the optimizer itself: any torch optimizer step (Megatron's optimizers
+    # step a torch one inside) marks the HSDP parameters it holds for a fresh gather.
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            hp = getattr(param, "_hsdp_param", None)
+            if hp is not None:
+                hp.stale = True
+
+
+register_optimizer_step_post_hook(_mark_stale)
+
+
+def _managed_registrations(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
+    """Every parameter under ``module`` not already managed by a nested wrap, with all the
+    (module, name) places it is registered (tied weights are registered more than once)."""
+    found: dict[int, tuple[nn.Parameter, list]] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None or hasattr(param, "_hsdp_param"):
+                continue
+            entry = found.setdefault(id(param), (param, []))
+            if (sub, name) not in [(m, n) for m, n in entry[1]]:
+                entry[1].append((sub, name))
+    return list(found.values())
+
+
+class HSDPState:
+    def __init__(self, module: nn.Module, config: HSDPConfig, mesh: HSDPMesh, device: torch.device):
+        self.module = module
+        self.config = config
+        self.mesh = mesh
+        self.params: list[HSDPParam] = []
+        for param, owners in _managed_registrations(module):
+            hp = HSDPParam(param, owners, config, mesh, device)
+            hp.register_sharded()
+            self.params.append(hp)
+        self.buckets: list[Bucket] = make_buckets(self.params, mesh, config.bucket_bytes(), config.grad_scale)
+        self._bucket_of: dict[int, Bucket] = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._bucket_of[id(p.full)] = bucket
+        self._param_of = {id(p.full): p for p in self.params}
+        self.requires_grad_sync = True
+        self.forward_prefetch: list[HSDPState] = []
+        self.backward_prefetch: list[HSDPState] = []
+        self.is_root = False
+        self._in_backward = False
+        self._next_launch = 0
+        self._pending_gather: list[Bucket] = []
+        self._pending_reduce: list[Bucket] = []
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            module.register_forward_hook(self._post_forward),
+        ]
+        for p in self.params:
+            if p.full.requires_grad:
+                self._handles.append(p.full.register_post_accumulate_grad_hook(self._after_accumulate))
+        self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
+        ALL_STATES.add(self)
+
+    # -- gathering -------------------------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> None:
+        """Gather the full parameters (a no-op where they are present and current)."""
+        if not self._pending_gather:
+            stale = [b for b in self.buckets if any(p.needs_gather() for p in b.params)]
+            for bucket in stale:
+                bucket.start_gather(async_op=async_op)
+            self._pending_gather = stale
+        if not async_op:
+            self.wait_gather()
+
+    def wait_gather(self) -> None:
+        for bucket in self._pending_gather:
+            bucket.finish_gather()
+        self._pending_gather = []
+
+    def reshard(self) -> None:
+        """Free the full parameters (level 3)."""
+        self.wait_gather()
+        for p in self.params:
+            p.free_full()
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        self.unshard()
+        for p in self.params:
+            p.register_full()
+        if not self._in_backward:
+            for other in self.forward_prefetch:
+                other.unshard(async_op=True)
+        dtype = self.config.param_dtype
+        if self.is_root and self.config.cast_forward_inputs and dtype is not None:
+            cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+            return tree_map(cast, args), tree_map(cast, kwargs)
+        return None
+
+    def _post_forward(self, module, args, output):
+        for p in self.params:
+            p.register_sharded()
+        if self._in_backward:
+            return None  # a recomputation inside backward: the parameters are still needed
+        if self.config.reshard_after_forward:
+            self.reshard()
+        if torch.is_grad_enabled():
+            tensors, _ = tree_flatten(output)
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return None
+
+    # -- backward --------------------------------------------------------------------------------
+    def _join_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        _BACKWARD["states"].append(self)
+        if not _BACKWARD["queued"]:
+            _BACKWARD["queued"] = True
+            torch.autograd.Variable._execution_engine.queue_callback(_end_of_backward)
+
+    def _pre_backward(self, grad):
+        if not self._in_backward:
+            self._join_backward()
+            self.unshard()
+            for other in self.backward_prefetch:
+                other.unshard(async_op=True)
+        return grad
+
+    def _after_accumulate(self, full: torch.Tensor) -> None:
+        self._join_backward()
+        p = self._param_of[id(full)]
+        if not self.requires_grad_sync:
+            p.grad_state = "local"
+            return
+        self._bucket_of[id(full)].ready.add(id(full))
+        self._launch_ready(flush=False)
+
+    def _launch_ready(self, flush: bool) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            wanted = {id(p.full) for p in bucket.params if p.full.requires_grad}
+            if not flush and not wanted <= bucket.ready:
+                return
+            self._next_launch += 1
+            if not wanted:
+                continue
+            bucket.start_reduce(async_op=self.config.comm_async)
+            if self.config.comm_async:
+                self._pending_reduce.append(bucket)
+            else:
+                bucket.finish_reduce()
+
+    def wait_reduce(self) -> None:
+        for bucket in self._pending_reduce:
+            bucket.finish_reduce()
+        self._pending_reduce = []
+
+    def finish_backward(self) -> None:
+        if self.requires_grad_sync:
+            self._launch_ready(flush=True)
+        self.wait_reduce()
+        if self.config.reshard_after_forward:
+            self.reshard()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        self._next_launch = 0
+        self._in_backward = False
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        for p in self.params:
+            p.stale = True
+
+    # -- misc ------------------------------------------------------------------------------------
+    def zero_grads(self) -> None:
+        for p in self.params:
+            p.zero_grad()
+
+    def comm_bytes(self) -> int:
+        return sum(b.comm_bytes for b in self.buckets)
+
+
+def _end_of_backward() -> None:
+    states, _BACKWARD["states"], _BACKWARD["queued"] = _BACKWARD["states"], [], False
+    for state in states:
+        state.finish_backward()
+
+
+def sync_all() -> None:
+    """Wait for every pending gather and reduction of every HSDP module in this process."""
+    for state in list(ALL_STATES):
+        state.wait_gather()
+        state.wait_reduce()

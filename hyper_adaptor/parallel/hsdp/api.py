@@ -1,0 +1,197 @@
+"""Public entry points: ``hsdp`` (HyperParallel's signature), ``fully_shard`` (FSDP2's), and the
+methods every wrapped module gains.
+
+Wrap inner blocks first, then the root (each call manages the parameters not already managed by
+a nested call), and build the optimizer afterwards: ``module.parameters()`` then yields the shards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hyper_adaptor import platform
+from hyper_adaptor.parallel.hsdp._config import HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
+from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh, build_mesh
+from hyper_adaptor.parallel.hsdp._state import HSDPState, sync_all
+
+
+class HSDPModule:
+    """Mixed into the class of every wrapped module (the module keeps its own class as a base)."""
+
+    _hsdp_state: HSDPState
+
+    def _hsdp_states(self) -> list[HSDPState]:
+        return [m._hsdp_state for m in self.modules() if isinstance(m, HSDPModule)]
+
+    def set_requires_grad_sync(self, requires_grad_sync: bool) -> None:
+        """False: following backwards accumulate full gradients locally without communication (needs
+        ``enable_grad_accumulation=True``); True: the next backward reduces everything accumulated."""
+        if not isinstance(requires_grad_sync, bool):
+            raise ValueError(f"hsdp: requires_grad_sync must be a bool; got {requires_grad_sync!r}")
+        for state in self._hsdp_states():
+            if not requires_grad_sync and not state.config.enable_grad_accumulation:
+                raise ValueError(
+                    "hsdp: set_requires_grad_sync(False) needs enable_grad_accumulation=True; "
+                    "got enable_grad_accumulation=False"
+                )
+            state.requires_grad_sync = requires_grad_sync
+
+    def zero_grads(self) -> None:
+        """Drop the gradient shards and the local full gradients of every wrapped submodule."""
+        for state in self._hsdp_states():
+            state.zero_grads()
+
+    def set_forward_prefetch_cells(self, cells) -> None:
+        """Start gathering ``cells``' parameters when this module's forward starts."""
+        self._hsdp_state.forward_prefetch = _states_of(cells, "set_forward_prefetch_cells")
+
+    def set_backward_prefetch_cells(self, cells) -> None:
+        """Start gathering ``cells``' parameters when this module's backward starts."""
+        self._hsdp_state.backward_prefetch = _states_of(cells, "set_backward_prefetch_cells")
+
+    def unshard(self) -> None:
+        self._hsdp_state.unshard()
+
+    def reshard(self) -> None:
+        self._hsdp_state.reshard()
+
+    def hsdp_comm_bytes(self) -> int:
+        """Collective volume this process issued so far (all wrapped submodules)."""
+        return sum(state.comm_bytes() for state in self._hsdp_states())
+
+
+def _states_of(cells, method: str) -> list[HSDPState]:
+    cells = list(cells) if isinstance(cells, (list, tuple)) else [cells]
+    for cell in cells:
+        if not isinstance(cell, HSDPModule):
+            raise ValueError(f"hsdp: {method} takes modules wrapped by hsdp/fully_shard; got {type(cell).__name__}")
+    return [cell._hsdp_state for cell in cells]
+
+
+def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int) -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"hsdp: module must be a torch.nn.Module; got {type(module).__name__}")
+    if isinstance(module, HSDPModule):
+        raise ValueError(f"hsdp: module {type(module).__name__} is already wrapped")
+    if not dist.is_initialized():
+        raise RuntimeError("hsdp: torch.distributed is not initialized (call init_process_group first)")
+    dp_size = dist.get_world_size(group)
+    config.validate(dp_size)
+    device_type = platform.device_type()
+    mesh = build_mesh(group, shard_size, device_type)
+    device = torch.device(device_type, platform.device_module().current_device()) if device_type != "cpu" else torch.device("cpu")
+    state = HSDPState(module, config, mesh, device)
+    # the outermost wrapped module casts inputs; nested ones are never root
+    for sub in module.modules():
+        if sub is not module and isinstance(sub, HSDPModule):
+            sub._hsdp_state.is_root = False
+    state.is_root = True
+    cls = module.__class__
+    module.__class__ = type(f"HSDP{cls.__name__}", (HSDPModule, cls), {})
+    module._hsdp_state = state
+    return module
+
+
+def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimizer_level: str = "level1",
+         enable_grad_accumulation: bool = False, use_eager_hook: bool = True, grad_scale: float = 1.0,
+         reduce_dtype: torch.dtype | None = None, comm_async: bool = False, comm_fusion: bool = False,
+         bucket_size: float = -1, *, group: dist.ProcessGroup | None = None,
+         param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
+    """Hybrid sharded data parallel over ``group`` (default: the world).
+
+    ``optimizer_level``: ``"level1"`` shards optimizer state, ``"level2"`` also gradients,
+    ``"level3"`` also parameters. ``shard_size``: ranks per shard group (-1: the whole group); the
+    groups beyond it hold replicas. ``threshold`` (KB): smaller parameters stay whole.
+    ``comm_fusion`` + ``bucket_size`` (KB; -1 one bucket, 0 one per parameter) pack collectives.
+    ``comm_async`` overlaps gradient reduction with the rest of backward. Gradients are averaged
+    over the data-parallel group, then multiplied by ``grad_scale``, reduced in ``reduce_dtype``.
+    """
+    config = HSDPConfig(
+        shard_size=shard_size, threshold=threshold, optimizer_level=optimizer_level,
+        enable_grad_accumulation=enable_grad_accumulation, use_eager_hook=use_eager_hook,
+        grad_scale=grad_scale, reduce_dtype=reduce_dtype, param_dtype=param_dtype, comm_async=comm_async,
+        comm_fusion=comm_fusion, bucket_size=bucket_size, offload=offload,
+    )
+    return _wrap(module, config, group, shard_size)
+
+
+def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = True,
+                mixed_precision: MixedPrecisionPolicy | None = None, offload_policy: OffloadPolicy | None = None,
+                comm_fusion: bool = True) -> nn.Module:
+    """FSDP2-style entry: ``reshard_after_forward=True`` is level 3, False level 2; ``mesh`` is a
+    1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) one (HSDP); None: the world."""
+    if mesh is None:
+        group, shard_size = None, -1
+    elif mesh.ndim == 1:
+        group, shard_size = mesh.get_group(0), -1
+    elif mesh.ndim == 2:
+        group = _flat_group(mesh)
+        shard_size = mesh.size(1)
+    else:
+        raise ValueError(f"fully_shard: mesh must be 1-D or 2-D (replicate, shard); got {mesh.ndim}-D")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"fully_shard: reshard_after_forward must be a bool; got {reshard_after_forward!r}")
+    mp = mixed_precision or MixedPrecisionPolicy()
+    if not isinstance(mp, MixedPrecisionPolicy):
+        raise ValueError(f"fully_shard: mixed_precision must be a MixedPrecisionPolicy; got {mixed_precision!r}")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"fully_shard: offload_policy must be an OffloadPolicy; got {offload_policy!r}")
+    config = HSDPConfig(
+        shard_size=shard_size, threshold=0, optimizer_level="level3" if reshard_after_forward else "level2",
+        enable_grad_accumulation=True, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+        cast_forward_inputs=mp.cast_forward_inputs, comm_fusion=comm_fusion, bucket_size=-1,
+        offload=offload_policy is not None,
+    )
+    return _wrap(module, config, group, shard_size)
+
+
+def _flat_group(mesh) -> dist.ProcessGroup:
+    ranks = mesh.mesh.flatten().tolist()
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    raise ValueError("fully_shard: a 2-D mesh must span the whole world (use hsdp(group=...) for subgroups)")
+
+
+def hsdp_sync_stream() -> None:
+    """Wait until every gradient reduction and parameter gather issued so far has finished, and
+    the device has caught up with them (before ``optimizer.step()`` when ``comm_async`` is on)."""
+    sync_all()
+    if platform.device_type() != "cpu":
+        platform.synchronize()
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of an HSDP module by their global norm; returns the norm (before clipping).
+
+    Shards are summed over the shard group once; replicated (below-threshold) parameters count once.
+    """
+    if norm_type != 2.0:
+        raise ValueError(f"hsdp: clip_grad_norm_ supports norm_type 2.0; got {norm_type!r}")
+    sharded_sq = torch.zeros((), dtype=torch.float64)
+    replicated_sq = torch.zeros((), dtype=torch.float64)
+    grads = []
+    mesh: HSDPMesh | None = None
+    for param in module.parameters():
+        if param.grad is None:
+            continue
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        grads.append(local)
+        sq = local.detach().double().pow(2).sum().cpu()
+        hp = getattr(param, "_hsdp_param", None)
+        if hp is not None and hp.sharded:
+            sharded_sq += sq
+            mesh = hp.mesh
+        else:
+            replicated_sq += sq
+    if mesh is not None:
+        dist.all_reduce(sharded_sq, group=mesh.shard_group)
+    total = math.sqrt(float(sharded_sq + replicated_sq))
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return torch.tensor(total)

@@ -1,0 +1,253 @@
+"""HSDP library checks, run inside a gloo world (tests/distributed/world.py).
+
+A small tied-embedding model whose blocks mix parameters above and below the size threshold, with
+row counts that do not divide the shard size (so padding is exercised), trained for a few Adam
+steps under each HSDP configuration and compared with the same model trained in one process on
+the whole global batch (every rank computes that reference locally, without communication).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB, DIM, HIDDEN, SEQ = 40, 16, 36, 6
+GLOBAL_BATCH = 16  # 4 sequences per rank on 4 ranks: 4 micro-batches of 1 for accumulation
+STEPS = 3
+THRESHOLD_KB = 1  # 1 KB: the 16x36 / 36x16 / 40x16 matrices are sharded; norms and biases stay whole
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.norm(self.fc1(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.out_norm = nn.LayerNorm(DIM)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.linear(self.out_norm(x), self.emb.weight)  # tied head
+
+
+def make_model(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def loss_of(model, tokens) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def reference(steps: int = STEPS, lr: float = 1e-2) -> dict:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = loss_of(model, batch(step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"loss": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def wrap(model, **kwargs):
+    from hyper_adaptor.parallel.hsdp import hsdp
+
+    for block in model.blocks:
+        hsdp(block, **kwargs)
+    return hsdp(model, **kwargs)
+
+
+def full_params(model) -> dict:
+    out = {}
+    for name, value in model.state_dict().items():
+        out[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return out
+
+
+def train(model, *, micro_batches: int = 1, steps: int = STEPS, lr: float = 1e-2, comm_async: bool = False) -> list:
+    from hyper_adaptor.parallel.hsdp import hsdp_sync_stream
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        mine = batch(step).chunk(world)[rank]
+        total = torch.zeros(())
+        for i, micro in enumerate(mine.chunk(micro_batches)):
+            if micro_batches > 1:
+                model.set_requires_grad_sync(i == micro_batches - 1)
+            loss = loss_of(model, micro) / micro_batches
+            loss.backward()
+            total += loss.detach()
+        if comm_async:
+            hsdp_sync_stream()
+        opt.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def compare(ref: dict, losses: list, params: dict, rtol: float = 1e-6, atol: float = 1e-6) -> list[str]:
+    problems = []
+    for step, (want, got) in enumerate(zip(ref["loss"], losses)):
+        if abs(want - got) > rtol * abs(want):
+            problems.append(f"step {step}: loss {got!r} vs {want!r}")
+    for name, want in ref["params"].items():
+        diff = (want - params[name]).abs().max().item()
+        if diff > atol:
+            problems.append(f"param {name}: max |diff| {diff:.3g}")
+    return problems
+
+
+def level_matrix(rank: int, world_size: int) -> dict:
+    """Every level x shard_size {2, 4} x comm_async x comm_fusion: problems per configuration."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ref = reference()
+    results = {}
+    for level in ("level1", "level2", "level3"):
+        for shard_size in (2, 4):
+            for comm_async in (False, True):
+                for comm_fusion in (False, True):
+                    key = f"{level}-S{shard_size}-{'async' if comm_async else 'sync'}-{'fused' if comm_fusion else 'per-param'}"
+                    model = wrap(
+                        make_model(), optimizer_level=level, shard_size=shard_size, threshold=THRESHOLD_KB,
+                        comm_async=comm_async, comm_fusion=comm_fusion, bucket_size=-1 if comm_fusion else 0,
+                    )
+                    losses = train(model, comm_async=comm_async)
+                    results[key] = compare(ref, losses, full_params(model))
+    return results
+
+
+def grad_accumulation(rank: int, world_size: int) -> dict:
+    """4 micro-batches per rank, synced only on the last, against the whole batch in one process;
+    and two synced backwards in one step (gradient shards accumulate exactly)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ref = reference()
+    results = {}
+    for level in ("level1", "level2", "level3"):
+        for shard_size in (2, 4):
+            model = wrap(make_model(), optimizer_level=level, shard_size=shard_size, threshold=THRESHOLD_KB,
+                         enable_grad_accumulation=True, comm_fusion=True, bucket_size=2)
+            results[f"noSync-{level}-S{shard_size}"] = compare(ref, train(model, micro_batches=4), full_params(model))
+    for level in ("level1", "level2", "level3"):
+        for shard_size in (2, 4):
+            model = wrap(make_model(), optimizer_level=level, shard_size=shard_size, threshold=THRESHOLD_KB)
+            results[f"sync2-{level}-S{shard_size}"] = compare(ref, _train_synced_twice(model), full_params(model))
+    return results
+
+
+def _train_synced_twice(model) -> list:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        total = torch.zeros(())
+        for micro in batch(step).chunk(world)[rank].chunk(2):
+            loss = loss_of(model, micro) / 2
+            loss.backward()  # reduced every time: the shard gradients must add up
+            total += loss.detach()
+        opt.step()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def structure(rank: int, world_size: int) -> dict:
+    """What is sharded, shapes of the shards, and the memory a level keeps."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    out = {}
+    for level in ("level1", "level2", "level3"):
+        model = wrap(make_model(), optimizer_level=level, shard_size=4, threshold=THRESHOLD_KB)
+        train(model, steps=1)
+        info = {}
+        for name, param in model.named_parameters():
+            hp = param._hsdp_param
+            info[name] = {
+                "sharded": hp.sharded, "local_shape": tuple(param.to_local().shape), "full_shape": tuple(param.shape),
+                "full_storage": hp.full.untyped_storage().size(),
+                "full_grad": None if hp.full.grad is None else tuple(hp.full.grad.shape),
+                "grad_local_shape": None if param.grad is None else tuple(param.grad.to_local().shape),
+            }
+        out[level] = info
+    return out
+
+
+def extras(rank: int, world_size: int) -> dict:
+    """Grad accumulation, structure, clipping and bf16 compute in one world (a world costs ~10 s)."""
+    out = {"accumulation": grad_accumulation(rank, world_size)}
+    out["structure"] = structure(rank, world_size)
+    out["clip"] = _clip_matches_reference()
+    out["bf16"] = _bf16_compute()
+    return out
+
+
+def _clip_matches_reference() -> dict:
+    """HSDP's clip_grad_norm_ returns the reference's global norm and clips identically."""
+    from hyper_adaptor.parallel.hsdp import clip_grad_norm_
+
+    ref = make_model()
+    loss_of(ref, batch(0)).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()
+    out = {}
+    for level in ("level1", "level3"):
+        model = wrap(make_model(), optimizer_level=level, shard_size=2, threshold=THRESHOLD_KB)
+        loss_of(model, batch(0).chunk(dist.get_world_size())[dist.get_rank()]).backward()
+        norm = clip_grad_norm_(model, 0.5).item()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        worst = max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+        out[level] = {"norm": norm, "ref_norm": ref_norm, "max_grad_diff": worst}
+    return out
+
+
+def _bf16_compute() -> dict:
+    """param_dtype=bf16 (fp32 shards as master weights, fp32 reduction): the gathered copies are bf16
+    and the losses stay within bf16 rounding of the fp32 reference."""
+    ref = reference()
+    model = wrap(make_model(), optimizer_level="level3", shard_size=4, threshold=THRESHOLD_KB,
+                 param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dtypes = {}
+
+    def record(fc1, args):  # inside the block's forward: the gathered copy is registered
+        dtypes.setdefault("fc1", fc1.weight.dtype)
+
+    model.blocks[0].fc1.register_forward_pre_hook(record)
+    losses = []
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    for step in range(STEPS):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(model, batch(step).chunk(dist.get_world_size())[dist.get_rank()])
+        loss.backward()
+        opt.step()
+        total = loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+    shard_dtype = next(model.parameters()).dtype
+    return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")), "shard_dtype": str(shard_dtype)}
