@@ -10,6 +10,7 @@ from hyper_adaptor.features.fused_rmsnorm import FusedRMSNorm
 from hyper_adaptor.features.fused_rope import FusedRoPE
 from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
+from hyper_adaptor.features.hsdp import HSDP
 
 # Fixed, documented application order (torchtitan style): compatibility first, then kernels,
 # then parallel / memory algorithms.
@@ -21,6 +22,7 @@ FEATURES: tuple[Feature, ...] = (
     FusedRoPE(),
     FlashAttention(),
     GradAccumFusion(),
+    HSDP(),
 )
 
 

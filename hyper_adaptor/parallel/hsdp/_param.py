@@ -69,6 +69,11 @@ class HSDPParam:
             local = self._own_rows(data).to(self.shard_device, self.master_dtype, copy=True)
         self.local = local
         self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=param.requires_grad)
+        # Frameworks tag parameters with attributes (Megatron: tensor_model_parallel, partition_dim,
+        # sequence_parallel, shared, ...) that their optimizers and gradient hooks read: keep them.
+        for key, value in vars(param).items():
+            setattr(self.sharded_param, key, value)
+            setattr(self.full, key, value)
         self.sharded_param._hsdp_param = self  # marks the parameter as managed (nested wrapping skips it)
         if self.full.requires_grad:
             self.full.register_hook(self._before_accumulate)

@@ -12,10 +12,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hyper_adaptor import platform
 from hyper_adaptor.parallel.hsdp._config import HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
-from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh, build_mesh
+from hyper_adaptor.parallel.hsdp._mesh import build_mesh
 from hyper_adaptor.parallel.hsdp._state import HSDPState, sync_all
 
 
@@ -164,34 +165,38 @@ def hsdp_sync_stream() -> None:
         platform.synchronize()
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of an HSDP module by their global norm; returns the norm (before clipping).
+def grad_sq_sum(grads) -> torch.Tensor:
+    """Sum of squares of the whole gradients behind ``grads`` (DTensors or plain tensors), in fp64.
 
-    Shards are summed over the shard group once; replicated (below-threshold) parameters count once.
-    """
+    A gradient with a ``Shard`` placement contributes its local shard, summed over that mesh
+    dimension's group (each shard counted once, replicas not); a replicated one counts once.
+    Used by ``clip_grad_norm_`` and by Megatron's gradient norm under ``--use-hsdp``."""
+    sharded: dict = {}
+    device = grads[0].device if len(grads) else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)  # on the device: nccl/hccl need it there
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        sq = local.detach().double().pow(2).sum()
+        dims = [i for i, pl in enumerate(grad.placements) if pl.is_shard()] if isinstance(grad, DTensor) else []
+        if dims:
+            group = grad.device_mesh.get_group(dims[0])
+            sharded[group] = sharded[group] + sq if group in sharded else sq
+        else:
+            total += sq
+    for group, sq in sharded.items():
+        dist.all_reduce(sq, group=group)
+        total += sq
+    return total
+
+
+def clip_grad_norm_(module: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clip the gradients of an HSDP module by their global norm; returns the norm (before clipping)."""
     if norm_type != 2.0:
         raise ValueError(f"hsdp: clip_grad_norm_ supports norm_type 2.0; got {norm_type!r}")
-    sharded_sq = torch.zeros((), dtype=torch.float64)
-    replicated_sq = torch.zeros((), dtype=torch.float64)
-    grads = []
-    mesh: HSDPMesh | None = None
-    for param in module.parameters():
-        if param.grad is None:
-            continue
-        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
-        grads.append(local)
-        sq = local.detach().double().pow(2).sum().cpu()
-        hp = getattr(param, "_hsdp_param", None)
-        if hp is not None and hp.sharded:
-            sharded_sq += sq
-            mesh = hp.mesh
-        else:
-            replicated_sq += sq
-    if mesh is not None:
-        dist.all_reduce(sharded_sq, group=mesh.shard_group)
-    total = math.sqrt(float(sharded_sq + replicated_sq))
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    total = math.sqrt(float(grad_sq_sum(grads)))
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for g in grads:
-            g.mul_(coef)
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
     return torch.tensor(total)

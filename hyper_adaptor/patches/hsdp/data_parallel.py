@@ -1,0 +1,75 @@
+"""Megatron's data-parallel wrapper, served by the HSDP engine (hyper_adaptor/parallel/hsdp).
+
+Seam: megatron.training (0.19.2) builds its DP wrapper in ``models/dist_utils._ddp_wrap``, which
+looks the class up as the module global ``DistributedDataParallel`` at call time and constructs it
+as ``DP(config=, ddp_config=, module=, disable_bucketing=, pg_collection=)``. Under ``--use-hsdp``
+that one name (in that one module) is bound to :class:`HSDPDataParallel`; nothing else of
+megatron's set-up changes. The class derives from megatron's torch-FSDP2 wrapper only so that
+``unwrap_model`` and the DTensor-aware paths of ``finalize_model_grads`` and the optimizer treat it
+as the DTensor-sharded model it is; it runs none of that wrapper's code.
+
+The optimizer megatron builds on top sees the DTensor shards as its parameters, so its state is
+sharded; gradients arrive in ``param.grad`` already reduced (inside backward, or when the last
+micro-batch's backward ends: megatron's ``no_sync_func`` is set to keep the others local).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from megatron.core import parallel_state
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream
+
+
+def make_wrapper_class(hsdp_kwargs: dict) -> type:
+    class HSDPDataParallel(TorchFullyShardedDataParallel):
+        """megatron's DP-wrapper interface over HSDP (one instance per model chunk)."""
+
+        def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, **unused):
+            _BaseDataParallel.__init__(self, config=config, module=module)
+            self.ddp_config = ddp_config
+            if pg_collection is not None and getattr(pg_collection, "dp_cp", None) is not None:
+                group = pg_collection.dp_cp
+            else:
+                group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+            # One HSDP unit per transformer layer (level 3 then holds one layer's full parameters
+            # at a time), and the chunk root for the rest (embeddings, final norm, output layer).
+            for layer in [m for m in module.modules() if isinstance(m, TransformerLayer)]:
+                hsdp(layer, group=group, **hsdp_kwargs)
+            hsdp(module, group=group, **hsdp_kwargs)
+            # megatron's schedules keep every micro-batch but the last local through this.
+            config.no_sync_func = self.no_sync
+
+        @contextlib.contextmanager
+        def no_sync(self):
+            self.module.set_requires_grad_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_grad_sync(True)
+
+        def start_grad_sync(self, *unused):
+            pass  # reductions start from backward hooks
+
+        def finish_grad_sync(self, force_all_reduce: bool = False):
+            hsdp_sync_stream()
+
+        def scale_gradients(self, scaling_factor: float) -> None:
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    param.grad.to_local().mul_(scaling_factor)
+
+        def zero_grad_buffer(self):
+            self.module.zero_grads()
+
+        def broadcast_params(self):
+            raise RuntimeError("--use-hsdp does not support --data-parallel-random-init")
+
+        def load_state_dict(self, state_dict, strict=True):
+            return self.module.load_state_dict(state_dict, strict=strict)
+
+    return HSDPDataParallel

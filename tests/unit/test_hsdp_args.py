@@ -1,0 +1,96 @@
+"""HSDP bad input: the library's ValueErrors and --use-hsdp's flag errors (one process)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import hyper_adaptor.megatron_adaptor as adaptor_module
+from hyper_adaptor.features import FeatureConfigError
+from hyper_adaptor.parallel.hsdp import hsdp
+from tests.unit.test_adaptor import megatron_args
+
+ADAPTOR = adaptor_module.ADAPTOR
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"optimizer_level": "level4"}, "optimizer_level must be one of 'level1', 'level2', 'level3'; got 'level4'"),
+        ({"shard_size": 3}, "shard_size must be -1 or a positive divisor of the data-parallel size 1; got 3"),
+        ({"shard_size": 0}, "shard_size must be -1 or a positive divisor of the data-parallel size 1; got 0"),
+        ({"shard_size": 1.0}, "shard_size must be an int"),
+        ({"threshold": -1}, "threshold must be a size in KB >= 0; got -1"),
+        ({"bucket_size": -2}, "bucket_size must be -1, 0 or a positive size in KB; got -2"),
+        ({"grad_scale": 0}, "grad_scale must be a number > 0; got 0"),
+        ({"comm_async": "yes"}, "comm_async must be a bool; got 'yes'"),
+        ({"reduce_dtype": torch.int32}, "reduce_dtype must be None or a floating torch.dtype; got torch.int32"),
+        ({"use_eager_hook": False}, "use_eager_hook must be True"),
+    ],
+)
+def test_invalid_arguments_name_argument_and_value(world_of_one, kwargs, message):
+    with pytest.raises(ValueError, match="hsdp: " + message.replace("(", r"\(").replace(")", r"\)")):
+        hsdp(nn.Linear(4, 4), **kwargs)
+
+
+def test_grad_sync_off_needs_grad_accumulation(world_of_one):
+    model = hsdp(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="set_requires_grad_sync\\(False\\) needs enable_grad_accumulation=True"):
+        model.set_requires_grad_sync(False)
+    with pytest.raises(ValueError, match="already wrapped"):
+        hsdp(model)
+
+
+def _prepare(*flags, world=4):
+    args = megatron_args(*flags)
+    args.world_size = world
+    ADAPTOR.prepare(args)
+    return args
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--use-distributed-optimizer",), "--use-hsdp cannot be combined with --use-distributed-optimizer"),
+        (("--use-torch-fsdp2",), "--use-hsdp cannot be combined with --use-torch-fsdp2"),
+        (("--overlap-grad-reduce",), "--use-hsdp cannot be combined with --overlap-grad-reduce"),
+        (("--hsdp-shard-size", "3"), "--hsdp-shard-size 3 must be -1 or divide the data-parallel size 4"),
+        (("--tensor-model-parallel-size", "2", "--hsdp-shard-size", "4"),
+         "--hsdp-shard-size 4 must be -1 or divide the data-parallel size 2"),
+        (("--save", "/tmp/x"), "--use-hsdp does not support checkpointing yet: remove --save"),
+        (("--hsdp-threshold-kb", "-1"), "--hsdp-threshold-kb must be >= 0"),
+    ],
+)
+def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
+    with pytest.raises(FeatureConfigError, match=message):
+        _prepare("--use-hsdp", *flags)
+
+
+def test_hsdp_flags_switch_off_grad_accumulation_fusion_and_map_to_the_engine(capsys):
+    from hyper_adaptor.features.hsdp import hsdp_kwargs
+
+    args = _prepare("--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-shard-size", "2",
+                    "--hsdp-bucket-size-kb", "0", "--hsdp-reduce-dtype", "fp32")
+    assert args.gradient_accumulation_fusion is False
+    assert "gradient-accumulation fusion switched off" in capsys.readouterr().out
+    kw = hsdp_kwargs(args)
+    assert kw["optimizer_level"] == "level3" and kw["shard_size"] == 2
+    assert kw["comm_fusion"] is False and kw["reduce_dtype"] is torch.float32
+
+
+def test_use_hsdp_below_level_2_is_a_notice_not_applied(capsys):
+    args = _prepare("--use-hsdp", "--optimization-level", "1")
+    assert "--use-hsdp" in capsys.readouterr().out
+    from hyper_adaptor import features
+
+    assert not features.get("hsdp").is_enabled(args)
