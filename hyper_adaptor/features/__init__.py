@@ -11,6 +11,7 @@ from hyper_adaptor.features.fused_rope import FusedRoPE
 from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
+from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
 
 # Fixed, documented application order (torchtitan style): compatibility first, then kernels,
 # then parallel / memory algorithms.
@@ -22,6 +23,7 @@ FEATURES: tuple[Feature, ...] = (
     FusedRoPE(),
     FlashAttention(),
     GradAccumFusion(),
+    MoEGroupedGEMM(),
     HSDP(),
 )
 

@@ -1,0 +1,63 @@
+"""Level 1 — Megatron's ``--moe-grouped-gemm`` served for the local spec (hyper_adaptor/ops/grouped_gemm.py).
+
+The flag is Megatron's own. With TransformerEngine (``--transformer-impl transformer_engine``)
+megatron builds TE's grouped experts itself and this feature stays out of the way (it does not
+apply; no error). With the local spec megatron-core 0.19.2 ignores the flag (``SequentialMLP`` runs
+one expert after the other) and megatron.training's ``validate_args`` asserts a CUDA compute
+capability >= 8 for it, a check of CUDA grouped-GEMM kernels that the local spec never calls and
+that fails on CPU and NPU. From level 1 this feature runs the experts' GEMMs as grouped GEMMs
+(patches/fused/grouped_gemm.py) and lets that check pass: ``validate`` lowers the flag for
+megatron's ``validate_args`` and ``on_applied`` raises it again, before the model is built, so
+``args.moe_grouped_gemm`` (and the model config derived from it) says what was asked. (``on_applied``
+runs once per process: a namespace validated again after that keeps the flag lowered; the experts
+still run grouped, since the patch, not the config, decides.)
+
+Below level 1 the flag gets the usual "not applied" notice and megatron's behaviour, including that
+assertion on a CPU or NPU machine (see docs/features/fused-kernels.md).
+"""
+
+from __future__ import annotations
+
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
+
+# Where validate() keeps the request while megatron validates the arguments.
+ASKED = "hyper_adaptor_moe_grouped_gemm"
+
+
+class MoEGroupedGEMM(Feature):
+    name = "moe_grouped_gemm"
+    level = 1
+    summary = "MoE experts (local spec) as grouped GEMMs: torch_npu npu_grouped_matmul / mm into one buffer / eager"
+    flags = (Flag("--moe-grouped-gemm", "megatron's flag; served by hyper_adaptor at level >= 1 for the local spec",
+                  owner="megatron"),)
+
+    @staticmethod
+    def _local(args) -> bool:
+        return getattr(args, "transformer_impl", "local") == "local"
+
+    def requested(self, args) -> bool:
+        asked = bool(getattr(args, "moe_grouped_gemm", False) or getattr(args, ASKED, False))
+        return asked and self._local(args)  # with TE, megatron's TE grouped experts serve the flag
+
+    def status(self, args) -> tuple[bool, str]:
+        if getattr(args, "moe_grouped_gemm", False) and not self._local(args):
+            return False, f"--transformer-impl {args.transformer_impl}: megatron's own grouped experts"
+        return super().status(args)
+
+    def validate(self, args) -> None:
+        if not getattr(args, "num_experts", None):
+            raise FeatureConfigError("--moe-grouped-gemm needs --num-experts (it groups the MoE experts' GEMMs)")
+        if getattr(args, "moe_grouped_gemm", False):
+            # megatron's validate_args checks CUDA hardware for grouped-GEMM kernels the local spec
+            # never calls; hidden from it here, raised again in on_applied.
+            setattr(args, ASKED, True)
+            args.moe_grouped_gemm = False
+
+    def on_applied(self, args) -> None:
+        if getattr(args, ASKED, False):
+            args.moe_grouped_gemm = True
+
+    def patches(self, args):
+        from hyper_adaptor.patches.fused import grouped_gemm
+
+        return grouped_gemm.patches(args)
