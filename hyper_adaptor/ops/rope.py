@@ -17,15 +17,26 @@
 Backends:
 
 - eager: the reference, written term by term like the formula;
-- fast: a hand-written autograd function. A rotation is linear in ``t``, so the backward pass is the
-  same rotation by the opposite angle; it saves only cos and sin (no activation), and both passes
-  write each output half straight into the result with ``mul(out=)`` + ``addcmul_`` instead of
-  building rotate-half copies and concatenating. Measured on this project's 2-core CPU box,
-  s=1024 b=2 n=16 d=128, forward+backward, median of 5 (torch 2.13 CPU):
-  fp32: eager 24-30 ms, hand-written 11-14 ms, torch.compile(eager) 18-25 ms (after 2-16 s of
-  compilation, again for each new shape/dtype); bf16: eager 14.5 ms, hand-written 15.5-19.6 ms,
-  torch.compile 16-20 ms. So fast uses the hand-written function for fp32/fp64 (and off the CPU), and
-  the plain formula for 16-bit floats on the CPU; torch.compile never paid for its compile time.
+- fast: an autograd function that saves only cos and sin (no activation): a rotation is linear in
+  ``t``, so the backward pass is the same rotation by the opposite angle. For the rotate-half pairing
+  (Llama-family RoPE, partial rotary included) forward and backward are each one ``torch.compile``d
+  expression, which inductor turns into a single pass that reads ``t``, cos and sin once and writes
+  the result (16-bit inputs are computed in fp32 inside that pass and rounded once, where the eager
+  formula rounds each product). Interleaved and MLA pairings use a hand-written function that writes
+  each output half straight into the result with ``mul(out=)`` + ``addcmul_`` (two passes, no
+  rotate-half copies, no concatenation; in bf16 too, where it now measured faster than the plain
+  formula), as does every pairing if compiling fails (noticed once).
+  cos and sin are computed once per angles tensor and reused while it is unchanged (megatron hands
+  the same angles to every layer's q and k; see ``_cached_cos_sin``).
+  Measured on this project's shared 2-core CPU VM, torch 2.13, t [1024, 1, 8, 128] (bench/ops.py's
+  shape), forward + backward, interleaved medians of 31, one quiet run: fp32: eager 6.08 ms,
+  megatron's ``_apply_rotary_pos_emb_bshd`` 5.08 ms, hand-written 2.98 ms, compiled with cos/sin
+  computed per call 1.83 ms, compiled with the cached cos/sin (what fast runs) 1.67 ms; bf16: 2.69 /
+  2.76 / 1.66 / 0.95 / 0.82 ms. (An earlier note here found torch.compile of the *eager* formula, with
+  its rotate-half copies and concatenation, slower than the hand-written function; compiling the
+  single expression above is what pays.) Compiling costs about 2-5 s per graph (forward, backward;
+  again once when a size first changes, e.g. k after q with grouped-query attention), and the first
+  inductor compile of a process 10-20 s on this VM.
 - npu: ``torch_npu.npu_rotary_mul(x, cos, sin)``, whose documented semantics are
   ``x * cos + rotate_half(x) * sin`` with the "rotate half" pairing on the last dim of a 4-D tensor.
   It serves the non-interleaved case (MLA regrouping done before the call, partial rotary by slicing);
@@ -36,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, npu_module
+from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
 
 __all__ = ["apply_rotary", "rope_op"]
 
@@ -134,16 +145,86 @@ class _RotaryFn(torch.autograd.Function):
         return grad_t, None, None, None, None
 
 
-# CPU dtypes where the hand-written function beats the plain formula (measured; see the module doc).
-_FUNCTION_DTYPES = (torch.float32, torch.float64)
+def _rotate_half_math(t, cos, sin, inverse: bool):
+    """The rotate-half rotation (``inverse``: its transpose, the backward) as one expression, for
+    torch.compile to turn into a single pass over ``t``: read t, cos, sin once, write the result."""
+    rot_dim = cos.shape[-1]
+    half = rot_dim // 2
+    a, b, rest = t[..., :half], t[..., half:rot_dim], t[..., rot_dim:]
+    cos_a, cos_b, sin_a, sin_b = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    if inverse:
+        return torch.cat((a * cos_a + b * sin_b, b * cos_b - a * sin_a, rest), dim=-1)
+    return torch.cat((a * cos_a - b * sin_a, b * cos_b + a * sin_b, rest), dim=-1)
+
+
+_compiled = None
+_compile_failed = False
+
+
+def _compiled_math():
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_rotate_half_math)
+    return _compiled
+
+
+class _CompiledRotaryFn(torch.autograd.Function):
+    """Rotate-half RoPE with forward and backward each one compiled kernel; saves only cos and sin."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _compiled_math()(t, cos, sin, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        if not _compile_failed:
+            try:
+                return _compiled_math()(grad, cos, sin, True), None, None
+            except Exception as exc:
+                _compile_failure(exc)
+        return _rotate_half_math(grad, cos, sin, True), None, None
+
+
+# cos and sin of the angles megatron hands every layer (one tensor per step, or the same one for many
+# steps: RotaryEmbedding caches it), so each layer's q and k after the first reuse them. Keyed by the
+# angles' identity, checked against their version counter; the entry keeps the angles alive, so their
+# id cannot be reused while it is cached.
+_COS_SIN: dict = {}
+_COS_SIN_ENTRIES = 4
+
+
+def _cached_cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
+    try:
+        version = freqs._version
+    except RuntimeError:  # inference-mode tensors have no version counter: do not cache
+        return _cos_sin(freqs, dtype, mscale)
+    key = (id(freqs), dtype, float(mscale))
+    hit = _COS_SIN.get(key)
+    if hit is not None and hit[0] is freqs and hit[1] == version:
+        return hit[2], hit[3]
+    cos, sin = _cos_sin(freqs, dtype, mscale)
+    if len(_COS_SIN) >= _COS_SIN_ENTRIES:
+        _COS_SIN.pop(next(iter(_COS_SIN)))
+    _COS_SIN[key] = (freqs, version, cos, sin)
+    return cos, sin
+
+
+def _compile_failure(exc: Exception) -> None:
+    global _compile_failed
+    _compile_failed = True
+    notice("rope", "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", "the uncompiled function")
 
 
 def _fast(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
     _check_shapes(t, freqs)
-    if t.device.type == "cpu" and t.dtype not in _FUNCTION_DTYPES:
-        # Measured slower than the plain formula for 16-bit floats on CPU (see the module doc).
-        return _eager(t, freqs, interleaved=interleaved, mla_interleaved=mla_interleaved, mscale=mscale)
-    cos, sin = _cos_sin(freqs, t.dtype, mscale)
+    cos, sin = _cached_cos_sin(freqs, t.dtype, mscale)
+    if not (interleaved or mla_interleaved or _compile_failed):
+        try:
+            return _CompiledRotaryFn.apply(t, cos, sin)
+        except Exception as exc:  # no C++ compiler / Triton: compilation fails at the first call
+            _compile_failure(exc)
     return _RotaryFn.apply(t, cos, sin, interleaved, mla_interleaved)
 
 

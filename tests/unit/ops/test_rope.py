@@ -54,13 +54,16 @@ def test_matches_megatron_forward_and_backward(backend, interleaved, mla, shape,
         torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("interleaved,mla", [(False, False), (True, False), (False, True)])
-def test_fast_fp32_uses_the_fused_function_and_matches_eager(interleaved, mla):
+@pytest.mark.parametrize("interleaved,mla,function", [(False, False, "_CompiledRotaryFnBackward"),
+                                                      (True, False, "_RotaryFnBackward"),
+                                                      (False, True, "_RotaryFnBackward")])
+def test_fast_fp32_uses_the_fused_function_and_matches_eager(interleaved, mla, function):
     t, freqs, grad = _inputs((9, 2, 3, 96, 64), torch.float32, seed=1, batch_freqs=True)
     assert rope.rope_op.resolve(t, freqs, interleaved=interleaved, mla_interleaved=mla) == "fast"
     x = t.clone().requires_grad_()
     out = rope.apply_rotary(x, freqs, interleaved=interleaved, mla_interleaved=mla, backend="fast")
-    assert type(out.grad_fn).__name__ == "_RotaryFnBackward"
+    # rotate-half pairs: the compiled single-pass function; interleaved / MLA: the hand-written one
+    assert type(out.grad_fn).__name__ == function
     out.backward(grad)
     want = _run(lambda y: rope.apply_rotary(y, freqs, interleaved=interleaved, mla_interleaved=mla,
                                             backend="eager"), t, grad)
@@ -68,6 +71,56 @@ def test_fast_fp32_uses_the_fused_function_and_matches_eager(interleaved, mla):
     torch.testing.assert_close(x.grad, want[1], rtol=1e-5, atol=1e-5)
     # the pass-through channels are untouched, the rotated ones are not
     assert torch.equal(out[..., 64:], t[..., 64:]) and not torch.allclose(out[..., :64], t[..., :64])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_rotate_half_is_compiled_saves_only_cos_sin_and_matches_eager(dtype):
+    t, freqs, grad = _inputs((8, 2, 4, 128, 128), dtype, seed=4)
+    x = t.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda v: saved.append(v) or v, lambda v: v):
+        out = rope.apply_rotary(x, freqs, mscale=0.9, backend="fast")
+    assert type(out.grad_fn).__name__ == "_CompiledRotaryFnBackward"
+    assert sum(v.numel() for v in saved) == 2 * freqs.numel()  # cos and sin, never an activation
+    out.backward(grad)
+    want = _run(lambda y: rope.apply_rotary(y, freqs, mscale=0.9, backend="eager"), t, grad)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.detach(), want[0], rtol=rtol, atol=atol)
+    torch.testing.assert_close(x.grad, want[1], rtol=rtol, atol=atol)
+
+
+def test_cos_sin_are_reused_for_the_same_angles_and_recomputed_when_they_change():
+    t, freqs, _ = _inputs((6, 1, 2, 64, 64), torch.float32, seed=5)
+    first = rope._cached_cos_sin(freqs, torch.float32, 1.0)
+    assert rope._cached_cos_sin(freqs, torch.float32, 1.0)[0] is first[0]  # the next layer's q, k
+    assert rope._cached_cos_sin(freqs, torch.float32, 0.5)[0] is not first[0]  # another mscale
+    freqs.mul_(2.0)  # changed in place: the version counter moves, the cache must not answer
+    torch.testing.assert_close(rope.apply_rotary(t, freqs, backend="fast"),
+                               rope.apply_rotary(t, freqs, backend="eager"), rtol=1e-5, atol=1e-5)
+    copy = freqs.clone()  # equal values, another tensor: computed, not matched by value or address
+    assert rope._cached_cos_sin(copy, torch.float32, 1.0)[0] is not rope._cached_cos_sin(freqs, torch.float32, 1.0)[0]
+
+
+def test_compile_failure_falls_back_to_the_uncompiled_function_with_one_notice(monkeypatch, capsys):
+    from hyper_adaptor.ops import backend as ops_backend
+
+    def broken():
+        def fail(*a, **k):
+            raise RuntimeError("no C++ compiler")
+        return fail
+
+    monkeypatch.setattr(rope, "_compiled_math", broken)
+    monkeypatch.setattr(rope, "_compile_failed", False)
+    ops_backend._noticed.difference_update({k for k in ops_backend._noticed if k[0] == "rope"})
+    t, freqs, grad = _inputs((5, 2, 2, 96, 64), torch.float32, seed=6)
+    capsys.readouterr()
+    got = [_run(lambda y: rope.apply_rotary(y, freqs, backend="fast"), t, grad) for _ in range(2)]
+    lines = [line for line in capsys.readouterr().out.splitlines() if "rope" in line]
+    assert len(lines) == 1 and "torch.compile failed: RuntimeError" in lines[0], lines
+    want = _run(lambda y: rope.apply_rotary(y, freqs, backend="eager"), t, grad)
+    for g in got:
+        torch.testing.assert_close(g[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g[1], want[1], rtol=1e-5, atol=1e-5)
 
 
 def test_fast_falls_back_when_the_angles_need_grad():
