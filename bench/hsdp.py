@@ -1,0 +1,673 @@
+"""HSDP (hyper_adaptor.parallel.hsdp) against Megatron DDP, Megatron's distributed optimizer and
+torch FSDP2: model-state memory and communication per rank against the ZeRO theory, step time.
+
+Run from the repository root::
+
+    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 9 contenders)
+    python bench/hsdp.py --quick    # smaller model, fewer steps (smoke run, under a minute)
+
+One gloo world of N = 4 ranks (tests/distributed/world.py), fp32, Adam (lr 1e-3, no weight decay, no
+clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tied embedding, built with
+``use_cpu_initialization`` from one seed) under every contender:
+
+* ``megatron-ddp``: megatron.core DistributedDataParallel + get_megatron_optimizer
+  (``use_distributed_optimizer=False``, ``grad_reduce_in_fp32=True``);
+* ``megatron-distopt``: the same with ``use_distributed_optimizer=True`` (ZeRO-1);
+* ``hsdp-level{1,2,3}``: ``hsdp(layer, optimizer_level=..., threshold=0, comm_fusion=True)`` on every
+  TransformerLayer, then on the root GPTModel, ``torch.optim.Adam(model.parameters(), foreach=False)``;
+  ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam.
+
+A step is ``zero_grad``, forward (``model(tokens, position_ids, attention_mask, labels=labels).mean()``
+on this rank's micro-batch), backward, (Megatron: ``finish_grad_sync``) and ``optimizer.step()``; no
+pipeline schedule. Every contender sees the same batches. Rounds interleave the contenders (reversed
+order on odd rounds) so machine drift falls on all alike; a barrier precedes each timed step and a
+step's time is the slowest rank's.
+
+What is measured
+----------------
+* parity, against Megatron DDP, within 1e-5 relative: the first-step loss (same initial weights) and
+  the global norm of the reduced gradient after the first step (Adam's update is invariant to the
+  gradient's scale, so a wrong averaging factor would not show in later losses). The loss of the last
+  step (after ``warmup + steps - 1`` Adam updates) is printed as a check of the update.
+* model state per rank after a step: bytes of parameters, gradients and optimizer state, each storage
+  counted once (by ``data_ptr``), DTensors by their local shard, padding included. Parameters include
+  full copies kept alive between steps (HSDP: ``_hsdp_param.full``; FSDP2: its unsharded parameters and
+  all-gather outputs), gradients include full gradients kept alive (HSDP level 1: ``full.grad``) and
+  Megatron's grad buffers, optimizer state is every tensor in the (inner) torch optimizer's ``state``
+  plus Megatron's master shards. Theory for fp32 Adam (K = 16 bytes per parameter: 4 param, 4 grad,
+  8 Adam moments; the fp32 parameter is its own master): DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N,
+  ZeRO-3 16Ψ/N. These are the mixed-precision forms 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N with the
+  2-byte param and grad copies at 4 bytes and no separate master (so 12 sharded bytes become 8).
+  Parameters kept whole by the threshold carry the full 16 bytes on every rank.
+* communication per rank in one steady-state step: every torch.distributed collective is counted
+  (each module-level alias of the functions, e.g. Megatron's ``dist_reduce_scatter_func``, is
+  rebound), all-gather and reduce-scatter as the full (unsharded) buffer, all-reduce as twice it,
+  broadcast as the buffer; nested calls (``reduce_scatter_tensor`` -> ``reduce_scatter_single``)
+  count once. Theory 2Ψ x 4 bytes for DDP / ZeRO-1 / ZeRO-2, 3Ψ x 4 bytes for ZeRO-3 / FSDP2. HSDP's own
+  ``hsdp_comm_bytes()`` delta over the same step is printed as a cross-check.
+* step time: median over the timed rounds after the warm-up, as ratios to Megatron's distributed
+  optimizer and to FSDP2 (both ZeRO-style anchors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "hsdp.json"
+WORLD = 4
+SEED = 1234
+LR = 1e-3
+PARITY_RTOL = 1e-5
+
+# name -> (kind, level, threshold KB); level names the ZeRO stage the contender implements
+CONTENDERS = {
+    "megatron-ddp": ("megatron", "ddp", None),
+    "megatron-distopt": ("megatron", "zero1", None),
+    "hsdp-level1": ("hsdp", "level1", 0),
+    "hsdp-level2": ("hsdp", "level2", 0),
+    "hsdp-level3": ("hsdp", "level3", 0),
+    "hsdp-level1-t64": ("hsdp", "level1", 64),
+    "hsdp-level2-t64": ("hsdp", "level2", 64),
+    "hsdp-level3-t64": ("hsdp", "level3", 64),
+    "fsdp2": ("fsdp2", "zero3", None),
+}
+ZERO_STAGE = {"ddp": "ddp", "zero1": "zero1", "level1": "zero1", "level2": "zero2", "level3": "zero3", "zero3": "zero3"}
+
+
+def theory_state_bytes(stage: str, psi: int, n: int) -> float:
+    """fp32 Adam model state per rank (bytes) for Ψ parameters over N ranks."""
+    return {"ddp": 16 * psi, "zero1": 8 * psi + 8 * psi / n, "zero2": 4 * psi + 12 * psi / n,
+            "zero3": 16 * psi / n}[stage]
+
+
+def theory_comm_bytes(stage: str, psi: int) -> int:
+    """Collective volume per rank per step (bytes, fp32): 2Ψ elements, 3Ψ when parameters are
+    gathered again for backward (ZeRO-3)."""
+    return (3 if stage == "zero3" else 2) * psi * 4
+
+
+def configured_theory(stage: str, psi: int, n: int, psi_whole: int, psi_root_fsdp2: int) -> tuple[float, int]:
+    """The theory for the layout as configured: parameters kept whole (HSDP's threshold) hold all 16
+    bytes on every rank and are all-reduced (2 x 4 bytes); FSDP2 does not reshard its root group
+    after forward, so the root's parameters are gathered once, not twice."""
+    state = theory_state_bytes(stage, psi - psi_whole, n) + 16 * psi_whole
+    comm = theory_comm_bytes(stage, psi - psi_whole) + 8 * psi_whole - 4 * psi_root_fsdp2
+    return state, comm
+
+
+# --------------------------------------------------------------------------------------------------
+# communication counter
+# --------------------------------------------------------------------------------------------------
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+def _arg(args, kwargs, index, *names):
+    if len(args) > index:
+        return args[index]
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return None
+
+
+# collective -> (bytes it counts for, from (args, kwargs); position of its ``group`` argument)
+_VOLUME = {
+    "all_reduce": (lambda a, k: 2 * _nbytes(_arg(a, k, 0, "tensor")), 2),
+    "all_reduce_coalesced": (lambda a, k: 2 * _nbytes(_arg(a, k, 0, "tensors")), 2),
+    "broadcast": (lambda a, k: _nbytes(_arg(a, k, 0, "tensor")), 2),
+    "all_gather": (lambda a, k: _nbytes(_arg(a, k, 0, "tensor_list")), 2),
+    "all_gather_single": (lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")), 2),
+    "all_gather_into_tensor": (lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")), 2),
+    "_all_gather_base": (lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor")), 2),
+    "all_gather_coalesced": (lambda a, k: _nbytes(_arg(a, k, 0, "output_tensor_lists")), 2),
+    "reduce_scatter": (lambda a, k: _nbytes(_arg(a, k, 1, "input_list")), 3),
+    "reduce_scatter_single": (lambda a, k: _nbytes(_arg(a, k, 1, "input")), 3),
+    "reduce_scatter_tensor": (lambda a, k: _nbytes(_arg(a, k, 1, "input")), 3),
+    "_reduce_scatter_base": (lambda a, k: _nbytes(_arg(a, k, 1, "input")), 3),
+    "reduce": (lambda a, k: _nbytes(_arg(a, k, 0, "tensor")), 3),
+    "all_to_all_single": (lambda a, k: _nbytes(_arg(a, k, 1, "input")), 4),
+    "all_to_all": (lambda a, k: _nbytes(_arg(a, k, 1, "input_tensor_list")), 2),
+    "barrier": (lambda a, k: 0, 0),
+}
+
+
+class CommCounter:
+    """Counts every torch.distributed collective issued while ``active`` (outermost call only)."""
+
+    def __init__(self):
+        self.active = False
+        self.depth = 0
+        self.bytes = 0
+        self.calls: dict[str, list[int]] = {}  # op -> [calls, bytes]
+        self._installed = []
+
+    def install(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        originals = {name: getattr(c10d, name) for name in _VOLUME if hasattr(c10d, name)}
+        wrappers = {id(fn): self._wrap(name, fn) for name, fn in originals.items()}
+        # rebind every module-level alias (torch.distributed.X, megatron's dist_reduce_scatter_func, ...)
+        for module in list(sys.modules.values()):
+            namespace = getattr(module, "__dict__", None)
+            if not isinstance(namespace, dict):
+                continue
+            for attr, value in list(namespace.items()):
+                wrapper = wrappers.get(id(value)) if callable(value) else None
+                if wrapper is not None and any(value is fn for fn in originals.values()):
+                    namespace[attr] = wrapper
+                    self._installed.append((namespace, attr, value))
+
+    def uninstall(self) -> None:
+        for namespace, attr, value in reversed(self._installed):
+            namespace[attr] = value
+        self._installed = []
+
+    def _wrap(self, name, fn):
+        volume, group_at = _VOLUME[name]
+
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if self.active and self.depth == 0:
+                group = _arg(args, kwargs, group_at, "group")
+                nbytes = volume(args, kwargs)
+                if dist.get_world_size(group) == 1:
+                    # megatron's cross entropy all-reduces over the TP group, here of one rank: no traffic
+                    label, nbytes = f"{name} (group of 1, not counted)", 0
+                else:
+                    label = name
+                entry = self.calls.setdefault(label, [0, 0])
+                entry[0] += 1
+                entry[1] += nbytes
+                self.bytes += nbytes
+            self.depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth -= 1
+
+        return counted
+
+    def start(self) -> None:
+        self.bytes, self.calls, self.active = 0, {}, True
+
+    def stop(self) -> dict:
+        self.active = False
+        return {"bytes": self.bytes, "ops": {k: {"calls": v[0], "bytes": v[1]} for k, v in sorted(self.calls.items())}}
+
+
+# --------------------------------------------------------------------------------------------------
+# model-state memory
+# --------------------------------------------------------------------------------------------------
+class Ledger:
+    """Bytes per category, every storage counted once (the first category that sees it)."""
+
+    def __init__(self):
+        self.seen: set[int] = set()
+        self.bytes = {"params": 0, "grads": 0, "optim": 0}
+
+    def add(self, kind: str, t) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in self.seen:
+            return
+        self.seen.add(storage.data_ptr())
+        self.bytes[kind] += storage.nbytes()
+
+    def add_optimizer_state(self, optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self.add("params", p)
+                self.add("grads", p.grad)
+        for state in optimizer.state.values():
+            for value in state.values():
+                self.add("optim", value)
+
+
+def megatron_state(ddp, optimizer) -> dict:
+    ledger = Ledger()
+    for buffer in list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", [])):
+        ledger.add("params", getattr(buffer, "param_data", None))
+        ledger.add("grads", buffer.grad_data)
+    for p in ddp.parameters():
+        ledger.add("params", p)
+        ledger.add("grads", getattr(p, "main_grad", None))
+        ledger.add("grads", p.grad)
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for attr in ("shard_fp32_groups", "shard_fp32_from_float16_groups", "fp32_from_float16_groups",
+                     "fp32_from_fp32_groups"):
+            for group in getattr(opt, attr, None) or []:
+                for master in group:
+                    if master is not None:
+                        ledger.add("params", master)
+                        ledger.add("grads", master.grad)
+        ledger.add_optimizer_state(opt.optimizer)
+    return ledger.bytes
+
+
+def hsdp_state(model, optimizer) -> dict:
+    ledger = Ledger()
+    for p in model.parameters():
+        ledger.add("params", p)
+        hp = p._hsdp_param
+        ledger.add("params", hp.full)
+        ledger.add("grads", p.grad)
+        ledger.add("grads", hp.full.grad)
+    ledger.add_optimizer_state(optimizer)
+    return ledger.bytes
+
+
+def fsdp2_state(model, optimizer) -> dict:
+    from torch.distributed.fsdp import FSDPModule
+
+    ledger = Ledger()
+    for p in model.parameters():
+        ledger.add("params", p)
+        ledger.add("grads", p.grad)
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                ledger.add("params", getattr(fp, "_sharded_param_data", None))
+                for t in getattr(fp, "all_gather_outputs", None) or []:
+                    ledger.add("params", t)
+                unsharded = getattr(fp, "_unsharded_param", None)
+                ledger.add("params", unsharded)
+                if unsharded is not None:
+                    ledger.add("grads", unsharded.grad)
+                ledger.add("grads", getattr(fp, "unsharded_accumulated_grad", None))
+    ledger.add_optimizer_state(optimizer)
+    return ledger.bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# model and contenders
+# --------------------------------------------------------------------------------------------------
+def _transformer_config(dims: dict):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=dims["layers"], hidden_size=dims["hidden"], num_attention_heads=dims["heads"],
+        ffn_hidden_size=4 * dims["hidden"], hidden_dropout=0.0, attention_dropout=0.0,
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+
+
+def make_gpt(dims: dict, init: dict | None):
+    """The same GPTModel (local spec, tied embedding) every time; ``init``: weights to load."""
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    torch.manual_seed(SEED)
+    config = _transformer_config(dims)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=dims["vocab"],
+                     max_sequence_length=dims["seq"], share_embeddings_and_output_weights=True)
+    if init is not None:  # (megatron seeds the same numbers; load them anyway, so it cannot drift)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(init[name])
+    return config, model
+
+
+class Contender:
+    def __init__(self, name: str, dims: dict, init: dict):
+        self.name = name
+        self.kind, self.level, self.threshold = CONTENDERS[name]
+        self.stage = ZERO_STAGE[self.level]
+        config, model = make_gpt(dims, init)
+        if self.kind == "megatron":
+            self._build_megatron(config, model)
+        elif self.kind == "hsdp":
+            from hyper_adaptor.parallel.hsdp import hsdp
+
+            for layer in model.decoder.layers:
+                hsdp(layer, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
+            self.model = hsdp(model, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=False)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for layer in model.decoder.layers:
+                fully_shard(layer, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=False)
+
+    def _build_megatron(self, config, model):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        distributed = self.level == "zero1"
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=distributed)
+        self.model = DistributedDataParallel(config, ddp_config, model)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=LR, weight_decay=0.0, clip_grad=0.0, params_dtype=torch.float32,
+                            use_distributed_optimizer=distributed),
+            [self.model],
+        )
+
+    def step(self, batch: dict) -> tuple[float, float, float]:
+        """One training step: (loss on this rank, seconds to the end of backward and gradient
+        reduction, seconds of ``optimizer.step()``)."""
+        start = time.perf_counter()
+        if self.kind == "megatron":
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        output = self.model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss = output.mean()
+        loss.backward()
+        if self.kind == "megatron":
+            self.model.finish_grad_sync()
+        backward_done = time.perf_counter()
+        if self.kind == "megatron":
+            ok, _, _ = self.optimizer.step()  # (the distributed optimizer all-gathers parameters here)
+            assert ok, f"{self.name}: optimizer step skipped"
+        else:
+            self.optimizer.step()
+        return loss.item(), backward_done - start, time.perf_counter() - backward_done
+
+    def grad_norm(self) -> float:
+        """Global norm of the reduced gradient after a step (Adam is invariant to the gradient's
+        scale, so the losses alone would not catch a wrong averaging factor)."""
+        if self.kind == "megatron":
+            return float(self.optimizer.get_grad_norm())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def layout(self) -> dict:
+        """Parameters kept whole on every rank (HSDP's threshold) and, for FSDP2, those of the root
+        group (not resharded after forward, so not gathered again for backward)."""
+        whole = root = 0
+        if self.kind == "hsdp":
+            whole = sum(p._hsdp_param.full.numel() for p in self.model.parameters() if not p._hsdp_param.sharded)
+        if self.kind == "fsdp2":
+            for group in self.model._get_fsdp_state()._fsdp_param_groups:
+                root += sum(fp.sharded_param.numel() for fp in group.fsdp_params)
+        return {"psi_whole": whole, "psi_root_fsdp2": root}
+
+    def model_state(self) -> dict:
+        if self.kind == "megatron":
+            return megatron_state(self.model, self.optimizer)
+        if self.kind == "hsdp":
+            return hsdp_state(self.model, self.optimizer)
+        return fsdp2_state(self.model, self.optimizer)
+
+    def hsdp_comm_bytes(self) -> int | None:
+        return self.model.hsdp_comm_bytes() if self.kind == "hsdp" else None
+
+
+def batch(step: int, rank: int, world: int, dims: dict) -> dict:
+    """This rank's micro-batch of the global batch of ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(SEED + step)
+    mb, seq = dims["micro_batch"], dims["seq"]
+    tokens = torch.randint(0, dims["vocab"], (world * mb, seq + 1), generator=g)[rank * mb : (rank + 1) * mb]
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq).unsqueeze(0).expand(mb, seq).contiguous(),
+        "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# one rank
+# --------------------------------------------------------------------------------------------------
+def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup: int, steps: int) -> dict:
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecated c10d aliases megatron calls
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(1, 1)
+    _, reference = make_gpt(dims, None)
+    init = {k: v.detach().clone() for k, v in reference.named_parameters()}
+    psi = sum(p.numel() for p in reference.parameters())  # tied embedding counted once
+    del reference
+
+    contenders = [Contender(name, dims, init) for name in names]
+    counter = CommCounter()
+    counter.install()
+    comm_step = warmup - 1 if warmup >= 2 else 0  # steady state: level 1/2 re-gather after an update
+    losses = {c.name: [] for c in contenders}
+    times = {c.name: [] for c in contenders}
+    phases = {c.name: [] for c in contenders}
+    comm, hsdp_comm, grad_norm = {}, {}, {}
+    try:
+        for r in range(warmup + steps):
+            order = contenders if r % 2 == 0 else contenders[::-1]
+            data = batch(r, rank, world_size, dims)
+            for c in order:
+                counting = r == comm_step
+                before = c.hsdp_comm_bytes()
+                dist.barrier()
+                if counting:
+                    counter.start()
+                start = time.perf_counter()
+                loss, backward_s, optimizer_s = c.step(data)
+                elapsed = time.perf_counter() - start
+                losses[c.name].append(loss)
+                if counting:
+                    comm[c.name] = counter.stop()
+                    if before is not None:
+                        hsdp_comm[c.name] = c.hsdp_comm_bytes() - before
+                if r == 0:
+                    grad_norm[c.name] = c.grad_norm()
+                if r >= warmup:
+                    times[c.name].append(elapsed)
+                    phases[c.name].append((backward_s, optimizer_s))
+            if rank == 0:
+                print(f"  round {r + 1}/{warmup + steps} done", flush=True)
+    finally:
+        counter.uninstall()
+    state = {c.name: c.model_state() for c in contenders}
+
+    # the loss of the global batch (mean over ranks) and the slowest rank's time per step
+    loss_tensor = torch.tensor([losses[c.name] for c in contenders], dtype=torch.float64)
+    dist.all_reduce(loss_tensor)
+    loss_tensor /= world_size
+    time_tensor = torch.tensor([times[c.name] for c in contenders], dtype=torch.float64)
+    dist.all_reduce(time_tensor, op=dist.ReduceOp.MAX)
+    layout = {c.name: c.layout() for c in contenders}
+    ps.destroy_model_parallel()
+    return {
+        "psi": psi,
+        "loss": {c.name: loss_tensor[i].tolist() for i, c in enumerate(contenders)},
+        "step_s": {c.name: time_tensor[i].tolist() for i, c in enumerate(contenders)},
+        "phase_s": {c.name: phases[c.name] for c in contenders},
+        "grad_norm": grad_norm,
+        "layout": layout,
+        "state": state,
+        "comm": comm,
+        "hsdp_comm_bytes": hsdp_comm,
+        "comm_step": comm_step,
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------------
+def run(args) -> dict:
+    from tests.distributed.world import run_world
+
+    dims = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq,
+                micro_batch=args.micro_batch)
+    names = list(CONTENDERS)
+    load_before = os.getloadavg()
+    results = run_world(WORLD, "bench.hsdp:bench_rank", timeout=args.timeout, dims=dims, names=names,
+                        warmup=args.warmup, steps=args.steps)
+    r0 = results[0]
+    psi, n = r0["psi"], WORLD
+    ref_loss = r0["loss"]["megatron-ddp"]
+    rows = []
+    medians = {name: statistics.median(r0["step_s"][name]) for name in names}
+    for name in names:
+        kind, level, threshold = CONTENDERS[name]
+        stage = ZERO_STAGE[level]
+        # per-rank figures: memory and communication from every rank (they differ by padding only)
+        state = [res["state"][name] for res in results]
+        total = [sum(s.values()) for s in state]
+        comm = [res["comm"][name]["bytes"] for res in results]
+        loss = r0["loss"][name]
+        layout = r0["layout"][name]
+        state_configured, comm_configured = configured_theory(stage, psi, n, **layout)
+        backward_s = statistics.median(b for b, _ in r0["phase_s"][name])
+        optimizer_s = statistics.median(o for _, o in r0["phase_s"][name])
+        norm, ref_norm = r0["grad_norm"][name], r0["grad_norm"]["megatron-ddp"]
+        rows.append({
+            "contender": name, "kind": kind, "zero_stage": stage, "threshold_kb": threshold,
+            "first_grad_norm": norm, "first_grad_norm_rel_diff": abs(norm - ref_norm) / abs(ref_norm),
+            "first_loss": loss[0], "first_loss_rel_diff": abs(loss[0] - ref_loss[0]) / abs(ref_loss[0]),
+            "last_loss": loss[-1], "last_loss_rel_diff": abs(loss[-1] - ref_loss[-1]) / abs(ref_loss[-1]),
+            "parity_ok": (abs(loss[0] - ref_loss[0]) <= PARITY_RTOL * abs(ref_loss[0])
+                          and abs(norm - ref_norm) <= PARITY_RTOL * abs(ref_norm)),
+            "state_bytes_rank0": state[0], "state_bytes_max": max(total),
+            "state_theory_bytes": theory_state_bytes(stage, psi, n),
+            "state_vs_theory": max(total) / theory_state_bytes(stage, psi, n),
+            "psi_whole": layout["psi_whole"], "psi_root_fsdp2": layout["psi_root_fsdp2"],
+            "state_theory_configured_bytes": state_configured,
+            "state_vs_configured_theory": max(total) / state_configured,
+            "comm_bytes_rank0": comm[0], "comm_bytes_max": max(comm), "comm_ops_rank0": r0["comm"][name]["ops"],
+            "comm_theory_bytes": theory_comm_bytes(stage, psi),
+            "comm_vs_theory": max(comm) / theory_comm_bytes(stage, psi),
+            "comm_theory_configured_bytes": comm_configured,
+            "comm_vs_configured_theory": max(comm) / comm_configured,
+            "hsdp_comm_bytes_rank0": r0["hsdp_comm_bytes"].get(name),
+            "step_ms_median": medians[name] * 1000,
+            "step_ms_all": [t * 1000 for t in r0["step_s"][name]],
+            "rank0_forward_backward_ms_median": backward_s * 1000, "rank0_optimizer_ms_median": optimizer_s * 1000,
+            "step_vs_megatron_distopt": medians[name] / medians["megatron-distopt"],
+            "step_vs_fsdp2": medians[name] / medians["fsdp2"],
+        })
+    return {
+        "benchmark": "hsdp", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "world": n, "dtype": "fp32", "optimizer": f"Adam lr={LR}, no weight decay, no clipping",
+        "model": dict(dims, psi=psi, ffn=4 * args.hidden, spec="megatron-core GPTModel, local spec, tied embedding"),
+        "warmup": args.warmup, "steps": args.steps, "comm_step": r0["comm_step"] + 1,
+        "machine": dict(_machine_of_ranks(), load_average_1min_before_after=[load_before[0], os.getloadavg()[0]]),
+        "rows": rows,
+    }
+
+
+def _machine_of_ranks() -> dict:
+    from bench import _results as bench_results
+
+    info = bench_results.machine()
+    info["torch_threads"] = 1  # per rank (tests/distributed/world.py sets OMP_NUM_THREADS=1)
+    info["ranks"] = WORLD
+    return info
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.2f}"
+
+
+def table(result: dict) -> str:
+    psi, n = result["model"]["psi"], result["world"]
+    head = ("contender", "ZeRO", "step-1 loss / grad norm (rel. diff vs DDP)", "params / grads / optim MiB",
+            "state MiB", "x theory", "x as configured", "comm MiB", "x theory", "x as configured",
+            "hsdp_comm_bytes MiB",
+            "step ms (fwd+bwd / opt)", "x distopt", "x fsdp2")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        s = r["state_bytes_rank0"]
+        hsdp_comm = "-" if r["hsdp_comm_bytes_rank0"] is None else _mib(r["hsdp_comm_bytes_rank0"])
+        threshold = "" if r["threshold_kb"] is None else f", threshold {r['threshold_kb']} KB"
+        lines.append("| " + " | ".join((
+            r["contender"] + threshold, r["zero_stage"],
+            f"{r['first_loss']:.6f} ({r['first_loss_rel_diff']:.1e}) / {r['first_grad_norm']:.5f} "
+            f"({r['first_grad_norm_rel_diff']:.1e}){'' if r['parity_ok'] else ' FAIL'}",
+            f"{_mib(s['params'])} / {_mib(s['grads'])} / {_mib(s['optim'])}", _mib(r["state_bytes_max"]),
+            f"{r['state_vs_theory']:.3f}", f"{r['state_vs_configured_theory']:.3f}",
+            _mib(r["comm_bytes_max"]), f"{r['comm_vs_theory']:.3f}", f"{r['comm_vs_configured_theory']:.3f}",
+            hsdp_comm,
+            f"{r['step_ms_median']:.0f} ({r['rank0_forward_backward_ms_median']:.0f} / "
+            f"{r['rank0_optimizer_ms_median']:.0f})",
+            f"{r['step_vs_megatron_distopt']:.2f}", f"{r['step_vs_fsdp2']:.2f}",
+        )) + " |")
+    whole = ", ".join(f"{w:,}" for w in sorted({r["psi_whole"] for r in result["rows"] if r["psi_whole"]}))
+    root = ", ".join(f"{x:,}" for x in sorted({r["psi_root_fsdp2"] for r in result["rows"] if r["psi_root_fsdp2"]}))
+    notes = [
+        "",
+        f"Ψ = {psi:,} parameters ({_mib(4 * psi)} MiB fp32), N = {n}. Theory (fp32 Adam, 16 B/param), MiB: "
+        f"DDP 16Ψ = {_mib(16 * psi)}, ZeRO-1 8Ψ+8Ψ/N = {_mib(8 * psi + 8 * psi / n)}, "
+        f"ZeRO-2 4Ψ+12Ψ/N = {_mib(4 * psi + 12 * psi / n)}, ZeRO-3 16Ψ/N = {_mib(16 * psi / n)}; "
+        f"communication 2Ψ·4 B = {_mib(8 * psi)}, 3Ψ·4 B = {_mib(12 * psi)} per rank per step. These are the "
+        "mixed-precision forms 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N (2 B param + 2 B grad + 12 B fp32 master and "
+        "moments) with 4 B param and grad and no separate master: ZeRO-1 keeps 4+4 B whole, ZeRO-2 4 B.",
+        f"As configured: HSDP threshold 64 KB keeps {whole or 'no'} parameters whole (16 B each on every rank, "
+        f"all-reduced: 8 B); FSDP2's root group ({root} parameters) is not resharded after forward, so it is "
+        "gathered once per step, not twice.",
+        f"step ms: median over {result['steps']} interleaved steps after {result['warmup']} warm-up, slowest rank; "
+        f"fwd+bwd / opt: rank 0's medians of forward+backward(+gradient reduction) and optimizer.step().",
+        "",
+        f"Collectives per rank in step {result['comm_step']} (rank 0: calls, MiB):",
+    ]
+    for r in result["rows"]:
+        ops = ", ".join(f"{op} {v['calls']}x {_mib(v['bytes'])}" for op, v in r["comm_ops_rank0"].items())
+        notes.append(f"  {r['contender']}: {ops}")
+    notes.append("")
+    notes.append(f"Loss at step {result['warmup'] + result['steps']} relative to DDP's: " + ", ".join(
+        f"{r['contender']} {r['last_loss_rel_diff']:.1e}" for r in result["rows"]))
+    return "\n".join(lines + notes)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, seq 64, 2 warm-up + 3 steps")
+    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.hidden, args.layers, args.seq, args.warmup, args.steps = 128, 2, 64, 2, 3
+    result = run(args)
+    print()
+    print(table(result))
+    path = Path(args.json)
+    if args.quick:
+        path = path.with_name(f"{path.stem}-quick{path.suffix}")
+    from bench import _results as bench_results
+
+    bench_results.write(result, path)
+    return result
+
+
+if __name__ == "__main__":
+    main()
