@@ -10,13 +10,16 @@ falls on all alike); the figure is the median forward+backward time. ``fused`` i
 hyper_adaptor's dispatch with the platform's first backend (``fast`` on CPU/CUDA, ``npu`` on an
 NPU; ``--backend`` forces one), ``eager`` the plain-PyTorch reference backend, ``megatron`` what
 megatron-core 0.19.2's local spec runs without hyper_adaptor (torch.nn.RMSNorm, the chunk+silu MLP,
-``_apply_rotary_pos_emb_bshd``, DotProductAttention, matmul + add into main_grad).
+``_apply_rotary_pos_emb_bshd``, DotProductAttention, matmul + add into main_grad, SequentialMLP).
 
 Activation memory is the bytes autograd saves for the backward (summed in a saved-tensors hook):
 exact and independent of the allocator, so the O(s) vs O(s^2) of attention shows directly.
 
-Shapes are scaled from real models (hidden 4096 / 8192, 32 / 64 heads of 128, sequence 4096) to fit
-a CPU; the scale is printed and written to bench/results/ops.json.
+Shapes are scaled from real models (hidden 4096, 32 heads of 128, ffn 11008, sequence 4096; for the
+MoE experts Qwen3-30B-A3B: hidden 2048, expert ffn 768, 128 experts, top-8) to fit a CPU; the scale is
+printed and written to bench/results/ops.json. The MoE row runs megatron-core's ``SequentialMLP``
+three ways: as megatron runs it (one expert after the other), and through the ``--moe-grouped-gemm``
+forward with the grouped GEMM on the fused and on the eager backend.
 """
 
 from __future__ import annotations
@@ -159,20 +162,85 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
         "eager": lambda x, g, mg: wg.wgrad_accum(x, g, mg, backend="eager"),
         "megatron": lambda x, g, mg: mg.add_(g.t().matmul(x)),
     }))
-    return out, dict(hidden=hidden, seq=seq, heads=heads, head_dim=head_dim, ffn=ffn, scale=scale)
+
+    # MoE experts (SwiGLU) through grouped GEMMs vs megatron's SequentialMLP (one expert at a time)
+    moe = moe_shape(scale)
+    experts_module, grouped_forward = _megatron_experts(moe, dtype)
+
+    def make_experts():
+        g = torch.Generator().manual_seed(9)
+        rows = moe["tokens"] * moe["topk"]
+        counts = torch.distributions.Multinomial(rows, torch.ones(moe["experts"])).sample().long()
+        hidden_states = _leaf((rows, moe["hidden"]), dtype, 10)
+        probs = torch.rand(rows, generator=g).requires_grad_()
+        return hidden_states, counts, probs
+
+    out.append(Case("moe experts (grouped GEMM)",
+                    f"[{moe['tokens']} tok x top-{moe['topk']}, h={moe['hidden']}, ffn={moe['ffn']}, E={moe['experts']}]",
+                    make_experts, {
+        "fused": lambda h, c, p: _on_backend(backend, grouped_forward, experts_module, h, c, p)[0],
+        "eager": lambda h, c, p: _on_backend("eager", grouped_forward, experts_module, h, c, p)[0],
+        "megatron": lambda h, c, p: experts_module(h, c, p)[0],
+    }))
+    shapes = dict(hidden=hidden, seq=seq, heads=heads, head_dim=head_dim, ffn=ffn, scale=scale, moe=moe)
+    return out, shapes
+
+
+# Fine-grained MoE (Qwen3-30B-A3B: hidden 2048, expert ffn 768, 128 experts, top-8, sequence 4096),
+# hidden, ffn, experts, top-k and tokens each divided by the scale.
+MOE_MODEL = dict(name="Qwen3-30B-A3B", hidden=2048, ffn=768, experts=128, topk=8, tokens=4096)
+
+
+def moe_shape(scale: int) -> dict:
+    shape = {k: max(1, v // scale) for k, v in MOE_MODEL.items() if k != "name"}
+    return dict(shape, model=MOE_MODEL["name"])
+
+
+def _on_backend(name, fn, *args):
+    """``fn(*args)`` with every fused op's first backend forced to ``name`` (None: the platform's)."""
+    from hyper_adaptor.ops import backend as ops_backend
+
+    previous = ops_backend._forced
+    ops_backend.force_backend(name)
+    try:
+        return fn(*args)
+    finally:
+        ops_backend._forced = previous
+
+
+def _megatron_experts(moe: dict, dtype):
+    """megatron-core's SequentialMLP (local spec, SwiGLU with megatron's fused weighted SwiGLU), and
+    its forward as the ``--moe-grouped-gemm`` patch runs it (without patching the class)."""
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from hyper_adaptor.patches.fused import grouped_gemm as grouped_patch
+
+    _world_of_one()
+    config = TransformerConfig(num_layers=1, hidden_size=moe["hidden"], num_attention_heads=4,
+                               num_moe_experts=moe["experts"], moe_ffn_hidden_size=moe["ffn"],
+                               moe_router_topk=moe["topk"], moe_router_pre_softmax=moe["topk"] == 1,
+                               gated_linear_unit=True, activation_func=F.silu,
+                               add_bias_linear=False, bias_activation_fusion=True, moe_grouped_gemm=True,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True)
+    module = SequentialMLP(moe["experts"], config,
+                           MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    return module, grouped_patch._wrap_forward(SequentialMLP.forward)
 
 
 _ATTN = {}
 
 
-def _megatron_attention(heads, head_dim, dtype):
-    """megatron-core's DotProductAttention (local spec) in a world of one."""
+def _world_of_one() -> None:
+    """A gloo group of one and megatron's model-parallel state, for megatron's own modules."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.enums import AttnMaskType
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -181,6 +249,15 @@ def _megatron_attention(heads, head_dim, dtype):
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(1)
+
+
+def _megatron_attention(heads, head_dim, dtype):
+    """megatron-core's DotProductAttention (local spec) in a world of one."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    _world_of_one()
     config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
                                attention_dropout=0.0, masked_softmax_fusion=False, params_dtype=dtype,
                                bf16=dtype == torch.bfloat16)
@@ -192,6 +269,8 @@ def _megatron_attention(heads, head_dim, dtype):
 def run(args) -> dict:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     all_cases, shapes = cases(args.scale, dtype, args.backend)
+    if args.only:
+        all_cases = [c for c in all_cases if any(word in c.name for word in args.only.split(","))]
     rows = []
     for case in all_cases:
         inputs = case.make()
@@ -213,7 +292,8 @@ def run(args) -> dict:
               flush=True)
     return {"benchmark": "ops", "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "device": ha_platform.device_type(), "dtype": args.dtype, "backend": args.backend or "platform default",
-            "shapes": shapes, "scale_note": f"real model dims divided by {args.scale} (head dim kept at 128)",
+            "shapes": shapes, "scale_note": (f"real model dims divided by {args.scale} (head dim kept at 128; MoE: "
+                           f"{shapes['moe']['model']}'s hidden, expert ffn, experts, top-k and tokens)"),
             "machine": bench_results.machine(),
             "repeats": args.repeats, "rows": rows,
             "attention_memory": attention_memory_sweep(shapes["heads"], shapes["head_dim"], dtype, args.backend)}
@@ -272,6 +352,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="--scale 8 --repeats 4 --warmup 1")
+    parser.add_argument("--only", default="", help="comma-separated words: run only the ops whose name has one")
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
     if args.quick:
