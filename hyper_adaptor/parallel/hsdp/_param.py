@@ -186,10 +186,12 @@ class HSDPParam:
                 full_grad[: self.row_start].zero_()
                 full_grad[self.row_start + self.local_rows :].zero_()
             grad_local = mine if self.aliased else mine.to(self.shard_device, self.master_dtype)
-            if self.sharded_param.grad is None or self.aliased:
+            held = self.sharded_param.grad
+            if held is None or (self.aliased and held.to_local().data_ptr() != grad_local.data_ptr()):
+                # wrap once; later steps write the same view in place (no new DTensor per step)
                 self.sharded_param.grad = self._as_dtensor(grad_local)
-            else:
-                self.sharded_param.grad.to_local().copy_(grad_local)
+            elif not self.aliased:
+                held.to_local().copy_(grad_local)
         else:
             local = local.to(self.shard_device, self.master_dtype)
             if self.sharded_param.grad is None:
