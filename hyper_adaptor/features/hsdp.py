@@ -58,15 +58,14 @@ class HSDP(Feature):
             args, "num_layers_per_virtual_pipeline_stage", None
         ):
             raise FeatureConfigError("--use-hsdp does not support virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)")
-        for dest, flag in (("save", "--save"), ("load", "--load")):
-            if getattr(args, dest, None):
-                # megatron's torch_dist writer assumes even dim-0 shards over a 1-D mesh and maps
-                # optimizer state by parameter id; HSDP's uneven / hybrid DTensor shards need their
-                # own mapping, not written yet: refuse rather than fail at the first save.
-                raise FeatureConfigError(
-                    f"--use-hsdp does not support checkpointing yet: remove {flag} "
-                    "(see docs/features/hsdp.md, Limits)"
-                )
+        fmt = getattr(args, "ckpt_format", "torch_dist")
+        if (getattr(args, "save", None) or getattr(args, "load", None)) and fmt != "torch_dist":
+            # HSDP's shards are written as megatron torch_dist entries at their global offsets
+            # (hyper_adaptor/patches/hsdp/checkpoint.py); the per-rank torch formats would keep
+            # only data-parallel rank 0's shard.
+            raise FeatureConfigError(
+                f"--use-hsdp checkpoints need --ckpt-format torch_dist (the default); got --ckpt-format {fmt}"
+            )
         dp = _data_parallel_size(args)
         shard = args.hsdp_shard_size
         if shard != -1 and (shard < 1 or (dp and dp % shard)):

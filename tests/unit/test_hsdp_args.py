@@ -67,7 +67,8 @@ def _prepare(*flags, world=4):
         (("--hsdp-shard-size", "3"), "--hsdp-shard-size 3 must be -1 or divide the data-parallel size 4"),
         (("--tensor-model-parallel-size", "2", "--hsdp-shard-size", "4"),
          "--hsdp-shard-size 4 must be -1 or divide the data-parallel size 2"),
-        (("--save", "/tmp/x"), "--use-hsdp does not support checkpointing yet: remove --save"),
+        (("--save", "/tmp/x", "--ckpt-format", "torch"),
+         "--use-hsdp checkpoints need --ckpt-format torch_dist \\(the default\\); got --ckpt-format torch"),
         (("--hsdp-threshold-kb", "-1"), "--hsdp-threshold-kb must be >= 0"),
     ],
 )

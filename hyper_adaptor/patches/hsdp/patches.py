@@ -5,10 +5,12 @@ from __future__ import annotations
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "hsdp"
+OPTIMIZER = "megatron.core.optimizer.optimizer"
 
 
 def patches(args) -> list[Patch]:
     from hyper_adaptor.features.hsdp import hsdp_kwargs
+    from hyper_adaptor.patches.hsdp.checkpoint import hsdp_optimizer_load, hsdp_param_id_map
     from hyper_adaptor.patches.hsdp.data_parallel import make_wrapper_class
     from hyper_adaptor.patches.hsdp.grad_norm import hsdp_grad_norm
 
@@ -18,4 +20,9 @@ def patches(args) -> list[Patch]:
         Patch("megatron.training.models.dist_utils.DistributedDataParallel", wrapper, "replace", FEATURE,
               rebind_in=()),
         Patch("megatron.core.optimizer.clip_grads.get_grad_norm_fp32", hsdp_grad_norm, "wrap", FEATURE),
+        # torch_dist checkpoints of the DTensor shards (see checkpoint.py)
+        Patch("megatron.core.dist_checkpointing.optimizer.get_param_id_to_sharded_param_map", hsdp_param_id_map,
+              "wrap", FEATURE),
+        Patch(f"{OPTIMIZER}.FP32Optimizer.load_state_dict", hsdp_optimizer_load, "wrap", FEATURE),
+        Patch(f"{OPTIMIZER}.Float16OptimizerWithFloat16Params.load_state_dict", hsdp_optimizer_load, "wrap", FEATURE),
     ]
