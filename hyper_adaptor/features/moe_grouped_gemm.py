@@ -12,8 +12,8 @@ megatron's ``validate_args`` and ``on_applied`` raises it again, before the mode
 runs once per process: a namespace validated again after that keeps the flag lowered; the experts
 still run grouped, since the patch, not the config, decides.)
 
-Below level 1 the flag gets the usual "not applied" notice and megatron's behaviour, including that
-assertion on a CPU or NPU machine (see docs/features/fused-kernels.md).
+Below level 1 the flag gets megatron's behaviour (SequentialMLP); without CUDA, level 0 switches it
+off before that assertion, with one notice (patches/compat/arguments.py; docs/features/fused-kernels.md).
 """
 
 from __future__ import annotations

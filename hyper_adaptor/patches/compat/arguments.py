@@ -57,6 +57,18 @@ def switch_unworkable_defaults(args, device_type: str) -> list[str]:
             "its fused weight-gradient kernel needs apex or transformer_engine on CUDA, or --optimization-level >= 1",
         )
 
+    # megatron.training's validate_args asserts a CUDA compute capability >= 8 for this flag, which no
+    # other platform has; the local spec never calls those kernels (it builds SequentialMLP either way).
+    # From level 1 on, hyper_adaptor serves the flag itself (features/moe_grouped_gemm.py).
+    below_level_1 = getattr(args, "optimization_level", 0) < 1
+    if getattr(args, "moe_grouped_gemm", False) and below_level_1 and device_type != "cuda":
+        switch(
+            "moe_grouped_gemm",
+            False,
+            "megatron asserts a CUDA compute capability >= 8 for it; megatron's SequentialMLP (per-expert loop) "
+            "is used instead; --optimization-level 1 provides a grouped GEMM",
+        )
+
     if getattr(args, "masked_softmax_fusion", False) and not on_cuda_with("scaled_masked_softmax_cuda"):
         switch("masked_softmax_fusion", False, "the fused masked softmax kernel needs apex on CUDA")
 

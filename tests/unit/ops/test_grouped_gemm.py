@@ -357,8 +357,8 @@ def test_feature_hides_the_flag_from_megatrons_check_and_restores_it():
 
 def test_megatron_validate_args_at_level_0_and_level_1():
     """Through megatron.training's own parse_args + validate_args (a fresh process: applying features
-    is process-wide). Level 0 keeps megatron's behaviour, its CUDA capability assertion on CPU; level 1
-    validates, applies the patch and leaves the flag set for the model config."""
+    is process-wide). Level 0 on CPU switches the flag off (one notice) before megatron's CUDA
+    capability assertion; level 1 validates, applies the patch and leaves the flag set for the model config."""
     code = """
 import sys, torch
 import hyper_adaptor.megatron_adaptor
@@ -369,9 +369,10 @@ common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "
           "--max-position-embeddings", "32", "--micro-batch-size", "1", "--num-experts", "4",
           "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--moe-grouped-gemm"]
 sys.argv = ["x", *common, "--optimization-level", "0"]
+args = parse_args()
 try:
-    validate_args(parse_args())
-    print("LEVEL0 ok")
+    validate_args(args)
+    print("LEVEL0 ok", args.moe_grouped_gemm, SequentialMLP.forward is not before)
 except AssertionError as e:
     print("LEVEL0 assert:", e)
 sys.argv = ["x", *common, "--optimization-level", "1"]
@@ -381,6 +382,6 @@ print("LEVEL1", args.moe_grouped_gemm, SequentialMLP.forward is not before)
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "LEVEL0 assert: Unsupported compute capability for GroupedGEMM kernels." in result.stdout
-    assert "--moe-grouped-gemm (moe_grouped_gemm) is a level-1 feature" in result.stdout
+    assert "LEVEL0 ok False False" in result.stdout
+    assert "[hyper_adaptor] --moe-grouped-gemm: True -> False" in result.stdout
     assert "LEVEL1 True True" in result.stdout
