@@ -61,13 +61,16 @@ class WorldError(RuntimeError):
     pass
 
 
-def run_world(world_size: int, target: str, timeout: float = 300, **kwargs) -> list:
-    """Run ``target`` on ``world_size`` spawned ranks; returns the per-rank results in rank order."""
+def run_world(world_size: int, target: str, timeout: float = 300, daemon: bool = True, **kwargs) -> list:
+    """Run ``target`` on ``world_size`` spawned ranks; returns the per-rank results in rank order.
+
+    ``daemon=False`` for rank code that starts processes of its own (megatron's checkpoint writer
+    does); the ranks are killed at the end either way."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, target, kwargs, queue), daemon=True)
+        ctx.Process(target=_rank_main, args=(r, world_size, port, target, kwargs, queue), daemon=daemon)
         for r in range(world_size)
     ]
     for p in procs:

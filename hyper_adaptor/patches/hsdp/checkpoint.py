@@ -75,6 +75,10 @@ def _place_rows(sh_ten: ShardedTensor, data: torch.Tensor, offset: int, rows: in
     axis = sh_ten.prepend_axis_num
     global_offset = list(sh_ten.global_offset)
     global_offset[axis] += offset
+    if rows == 0:
+        # DCP finds a stored chunk by its offset: an empty one must not share a real chunk's, and
+        # the end of the axis is nobody's start
+        global_offset[axis] = sh_ten.global_shape[axis]
     local_shape = (1,) * axis + (rows, *sh_ten.local_shape[1:])
     return replace(
         sh_ten, data=data.reshape(local_shape), dtype=data.dtype, local_shape=local_shape,
@@ -182,8 +186,8 @@ def _cut_piece(piece, data, start, rows, replica, full_shape):
     if not torch.equal(first_col, torch.arange(lo, hi, dtype=first_col.dtype)):
         raise NotImplementedError(f"hsdp checkpoint: factory piece {piece.key} is not a contiguous row range")
     a, b = max(lo, start), min(hi, start + rows)
-    if b <= a:  # none of this piece's rows are here: an empty chunk at a boundary (overlaps nothing)
-        a = b = min(max(start, lo), hi)
+    if b <= a:  # none of this piece's rows are here: an empty chunk (placed by _place_rows)
+        a = b = lo
     local = data[a - start : b - start] if b > a else data[:0]
     return _place_rows(piece, local, a - lo, b - a, _replica(piece.replica_id, replica))
 
