@@ -75,6 +75,13 @@ def make_wrapper_class(hsdp_kwargs: dict) -> type:
 
         def load_state_dict(self, state_dict, strict=True):
             # a checkpoint gives this rank's rows (or whole tensors) as plain tensors
-            return self.module.load_state_dict(dtensor_model_state_dict(self.module, state_dict), strict=strict)
+            result = self.module.load_state_dict(dtensor_model_state_dict(self.module, state_dict), strict=strict)
+            # the engine's load hooks sit on the wrapped modules, and megatron's Float16Module
+            # loads its child directly (its own hooks never run): mark every shard here
+            for param in self.module.parameters():
+                managed = getattr(param, "_hsdp_param", None)
+                if managed is not None:
+                    managed.stale = True
+            return result
 
     return HSDPDataParallel

@@ -13,6 +13,7 @@ def patches(args) -> list[Patch]:
     from hyper_adaptor.patches.hsdp.checkpoint import hsdp_optimizer_load, hsdp_param_id_map
     from hyper_adaptor.patches.hsdp.data_parallel import make_wrapper_class
     from hyper_adaptor.patches.hsdp.grad_norm import hsdp_grad_norm
+    from hyper_adaptor.patches.hsdp.optimizer import mark_shards_stale
 
     wrapper = make_wrapper_class(hsdp_kwargs(args))
     return [
@@ -25,4 +26,7 @@ def patches(args) -> list[Patch]:
               "wrap", FEATURE),
         Patch(f"{OPTIMIZER}.FP32Optimizer.load_state_dict", hsdp_optimizer_load, "wrap", FEATURE),
         Patch(f"{OPTIMIZER}.Float16OptimizerWithFloat16Params.load_state_dict", hsdp_optimizer_load, "wrap", FEATURE),
+        # bf16: the shards are written from fp32 main copies after the step
+        Patch(f"{OPTIMIZER}.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params", mark_shards_stale,
+              "wrap", FEATURE),
     ]
