@@ -14,9 +14,11 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   (``use_distributed_optimizer=False``, ``grad_reduce_in_fp32=True``);
 * ``megatron-distopt``: the same with ``use_distributed_optimizer=True`` (ZeRO-1);
 * ``hsdp-level{1,2,3}``: ``hsdp(layer, optimizer_level=..., threshold=0, comm_fusion=True)`` on every
-  TransformerLayer, then on the root GPTModel, ``torch.optim.Adam(model.parameters(), foreach=False)``;
+  TransformerLayer, then on the root GPTModel, ``torch.optim.Adam(model.parameters(), foreach=True)``
+  (the multi-tensor Adam torch picks by default on CUDA; megatron's optimizers step flat buffers);
   ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
-* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam.
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
+  (foreach).
 
 A step is ``zero_grad``, forward (``model(tokens, position_ids, attention_mask, labels=labels).mean()``
 on this rank's micro-batch), backward, (Megatron: ``finish_grad_sync``) and ``optimizer.step()``; no
@@ -350,7 +352,7 @@ class Contender:
             for layer in model.decoder.layers:
                 hsdp(layer, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
             self.model = hsdp(model, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=False)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=True)
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -359,7 +361,7 @@ class Contender:
             for layer in model.decoder.layers:
                 fully_shard(layer, mesh=mesh)
             self.model = fully_shard(model, mesh=mesh)
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=False)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=True)
 
     def _build_megatron(self, config, model):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -53,7 +53,9 @@ class Bucket:
             for p in self.params:
                 p.refresh_unsharded()
             return
-        send = torch.cat([p.gather_input() for p in self.params])
+        send = torch.empty(self.L, dtype=self.compute_dtype, device=self.device)
+        for p, off in self:
+            p.gather_input(send[off : off + p.chunk_numel])
         recv = torch.empty(self.S * self.L, dtype=self.compute_dtype, device=self.device)
         work = dist.all_gather_into_tensor(recv, send, group=self.mesh.shard_group, async_op=async_op)
         self.comm_bytes += recv.numel() * recv.element_size()

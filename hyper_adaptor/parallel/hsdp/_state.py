@@ -81,6 +81,7 @@ class HSDPState:
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] = []
         self.is_root = False
+        self._nested: list | None = None
         self._in_backward = False
         self._next_launch = 0
         self._pending_gather: list[Bucket] = []
@@ -119,6 +120,15 @@ class HSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        if self.is_root:
+            self._nested_states()  # (the first forward also sets the default prefetch)
+        if self.is_root and not self._in_backward and not self.config.reshard_after_forward:
+            # Levels 1 and 2 keep the full parameters, so after an optimizer step every unit is
+            # stale at once: the root starts all the gathers together (async, in forward order)
+            # rather than each unit blocking on its own in turn when its forward begins.
+            self.unshard(async_op=True)
+            for other in self._nested_states():
+                other.unshard(async_op=True)
         self.unshard()
         for p in self.params:
             p.register_full()
@@ -144,6 +154,28 @@ class HSDPState:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return None
+
+    def _nested_states(self) -> list["HSDPState"]:
+        if self._nested is None:
+            self._nested = [sub._hsdp_state for sub in self.module.modules()
+                            if sub is not self.module and getattr(sub, "_hsdp_state", None) is not None]
+            self._default_prefetch()
+        return self._nested
+
+    def _default_prefetch(self) -> None:
+        """Level 3, when no prefetch was set: each unit starts the next one's all-gather (module
+        order, the execution order of a layer stack) when its forward begins, and the previous
+        one's when its backward begins, so a gather runs while the unit before it computes.
+        ``set_forward_prefetch_cells`` / ``set_backward_prefetch_cells`` override this."""
+        order = [self, *self._nested]
+        if not self.config.reshard_after_forward or any(s.forward_prefetch or s.backward_prefetch for s in order):
+            return
+        for before, after in zip(order, order[1:]):
+            before.forward_prefetch = [after]
+        for earlier, later in zip(order[1:], order[2:]):
+            later.backward_prefetch = [earlier]
+        if len(order) > 1:
+            self.backward_prefetch = [order[-1]]  # the root's backward begins with the last unit
 
     # -- backward --------------------------------------------------------------------------------
     def _join_backward(self) -> None:
