@@ -48,38 +48,52 @@ class Bucket:
         return any(p.full.requires_grad for p in self.params)
 
     # -- parameters ------------------------------------------------------------------------------
+    def pack_params(self, send: torch.Tensor) -> None:
+        """This rank's padded shards, flat, into ``send`` (L elements)."""
+        for p, off in self:
+            p.gather_input(send[off : off + p.chunk_numel])
+
     def start_gather(self, async_op: bool) -> None:
         if not self.sharded:
             for p in self.params:
                 p.refresh_unsharded()
             return
         send = torch.empty(self.L, dtype=self.compute_dtype, device=self.device)
-        for p, off in self:
-            p.gather_input(send[off : off + p.chunk_numel])
+        self.pack_params(send)
         recv = torch.empty(self.S * self.L, dtype=self.compute_dtype, device=self.device)
         work = dist.all_gather_into_tensor(recv, send, group=self.mesh.shard_group, async_op=async_op)
         self.comm_bytes += recv.numel() * recv.element_size()
-        self._gather = (work, recv)
+        self._gather = (work, recv.view(self.S, self.L))
 
     def finish_gather(self) -> None:
         if self._gather is None:
             return
-        work, recv = self._gather
+        work, blocks = self._gather
         self._gather = None
         if work is not None:
             work.wait()
-        blocks = recv.view(self.S, self.L)
         for p, off in self:
             p.write_gathered(blocks[:, off : off + p.chunk_numel])
 
     # -- gradients -------------------------------------------------------------------------------
-    def start_reduce(self, async_op: bool) -> None:
-        send = torch.empty(self.S * self.L, dtype=self.reduce_dtype, device=self.device)
-        blocks = send.view(self.S, self.L)
+    def pack_grads(self, blocks: torch.Tensor) -> None:
+        """Every rank's padded gradient rows into ``blocks`` ((S, L), possibly strided)."""
         for p, off in self:
             p.reduce_input(blocks[:, off : off + p.chunk_numel])
             if not p.config.keeps_full_grads:
                 p.full.grad = None  # packed: level 2/3 release the full gradient at once
+
+    def accept_grads(self, out: torch.Tensor) -> None:
+        """``out``: this rank's reduced (summed, not yet scaled) rows of the bucket."""
+        out.mul_(self.scale)
+        for p, off in self:
+            if p.full.requires_grad:
+                p.accept_reduced(out[off : off + p.chunk_numel])
+        self.ready.clear()
+
+    def start_reduce(self, async_op: bool) -> None:
+        send = torch.empty(self.S * self.L, dtype=self.reduce_dtype, device=self.device)
+        self.pack_grads(send.view(self.S, self.L))
         nbytes = send.numel() * send.element_size()
         if self.sharded:
             out = torch.empty(self.L, dtype=self.reduce_dtype, device=self.device)
@@ -101,11 +115,89 @@ class Bucket:
         if self.sharded and self.mesh.replicas > 1:
             dist.all_reduce(out, group=self.mesh.replicate_group)
             self.comm_bytes += 2 * out.numel() * out.element_size()
-        out.mul_(self.scale)
-        for p, off in self:
-            if p.full.requires_grad:
-                p.accept_reduced(out[off : off + p.chunk_numel])
-        self.ready.clear()
+        self.accept_grads(out)
+
+
+class _Shared:
+    """One collective serving several buckets: waited once."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def _fusable(buckets: list[Bucket], dtype_of) -> list[list[Bucket]]:
+    """Buckets that can share one collective: same kind (sharded or not), dtype, device, groups."""
+    groups: dict[tuple, list[Bucket]] = {}
+    for b in buckets:
+        key = (b.sharded, dtype_of(b), b.device, id(b.mesh.shard_group), id(b.mesh.dp_group),
+               id(b.mesh.replicate_group), b.S)
+        groups.setdefault(key, []).append(b)
+    return list(groups.values())
+
+
+def gather_fused(buckets: list[Bucket], async_op: bool) -> None:
+    """Start the all-gather of several buckets as ONE collective per compatible group: their flat
+    buffers side by side, so the rank-major receive buffer holds each bucket as a column block
+    (what ``finish_gather`` reads, strided). Fewer, larger collectives: each one is a rendezvous
+    of every rank, which costs more than its bytes on a loaded host."""
+    for members in _fusable(buckets, lambda b: b.compute_dtype):
+        head = members[0]
+        if not head.sharded or len(members) == 1:
+            for b in members:
+                b.start_gather(async_op)
+            continue
+        total = sum(b.L for b in members)
+        send = torch.empty(total, dtype=head.compute_dtype, device=head.device)
+        offset = 0
+        for b in members:
+            b.pack_params(send[offset : offset + b.L])
+            offset += b.L
+        recv = torch.empty(head.S * total, dtype=head.compute_dtype, device=head.device)
+        shared = _Shared(dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op))
+        blocks = recv.view(head.S, total)
+        offset = 0
+        for b in members:
+            b._gather = (shared, blocks[:, offset : offset + b.L])
+            b.comm_bytes += head.S * b.L * recv.element_size()
+            offset += b.L
+
+
+def reduce_fused(buckets: list[Bucket]) -> None:
+    """Reduce several buckets now, as ONE reduce-scatter (or all-reduce, for whole parameters) per
+    compatible group, then hand each bucket its rows."""
+    for members in _fusable(buckets, lambda b: b.reduce_dtype):
+        head = members[0]
+        if len(members) == 1:
+            head.start_reduce(async_op=False)
+            head.finish_reduce()
+            continue
+        total = sum(b.L for b in members)
+        send = torch.empty(head.S * total, dtype=head.reduce_dtype, device=head.device)
+        blocks = send.view(head.S, total)
+        offset = 0
+        for b in members:
+            b.pack_grads(blocks[:, offset : offset + b.L])
+            offset += b.L
+        if head.sharded:
+            out = torch.empty(total, dtype=head.reduce_dtype, device=head.device)
+            dist.reduce_scatter_tensor(out, send, group=head.mesh.shard_group)
+            if head.mesh.replicas > 1:
+                dist.all_reduce(out, group=head.mesh.replicate_group)
+        else:
+            out = send
+            dist.all_reduce(send, group=head.mesh.dp_group)
+        offset = 0
+        for b in members:
+            b.comm_bytes += head.S * b.L * out.element_size() * (1 if head.sharded else 2)
+            if head.sharded and head.mesh.replicas > 1:
+                b.comm_bytes += 2 * b.L * out.element_size()
+            b.accept_grads(out[offset : offset + b.L])
+            offset += b.L
 
 
 def make_buckets(params: list[HSDPParam], mesh: HSDPMesh, bucket_bytes: int | None, grad_scale: float) -> list[Bucket]:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_map
 
-from hyper_adaptor.parallel.hsdp._bucket import Bucket, make_buckets
+from hyper_adaptor.parallel.hsdp._bucket import Bucket, gather_fused, make_buckets, reduce_fused
 from hyper_adaptor.parallel.hsdp._config import HSDPConfig
 from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
 from hyper_adaptor.parallel.hsdp._param import HSDPParam
@@ -126,9 +126,12 @@ class HSDPState:
             # Levels 1 and 2 keep the full parameters, so after an optimizer step every unit is
             # stale at once: the root starts all the gathers together (async, in forward order)
             # rather than each unit blocking on its own in turn when its forward begins.
-            self.unshard(async_op=True)
-            for other in self._nested_states():
-                other.unshard(async_op=True)
+            launch = []
+            for state in (self, *self._nested_states()):
+                if not state._pending_gather:
+                    state._pending_gather = [b for b in state.buckets if any(p.needs_gather() for p in b.params)]
+                    launch += state._pending_gather
+            gather_fused(launch, async_op=True)
         self.unshard()
         for p in self.params:
             p.register_full()
@@ -154,6 +157,10 @@ class HSDPState:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
         return None
+
+    @property
+    def defers_reduce(self) -> bool:
+        return self.config.keeps_full_grads and not self.config.comm_async
 
     def _nested_states(self) -> list["HSDPState"]:
         if self._nested is None:
@@ -202,7 +209,8 @@ class HSDPState:
             p.grad_state = "local"
             return
         self._bucket_of[id(full)].ready.add(id(full))
-        self._launch_ready(flush=False)
+        if not self.defers_reduce:
+            self._launch_ready(flush=False)
 
     def _launch_ready(self, flush: bool) -> None:
         while self._next_launch < len(self.buckets):
@@ -250,6 +258,16 @@ class HSDPState:
 
 def _end_of_backward() -> None:
     states, _BACKWARD["states"], _BACKWARD["queued"] = _BACKWARD["states"], [], False
+    # Level 1, synchronous: the full gradients stay anyway and a blocking reduction per bucket would
+    # not overlap with anything, so every unit's buckets are reduced here in one collective (per
+    # compatible group), in the order the units joined backward (the same on every rank).
+    deferred = []
+    for state in states:
+        if state.defers_reduce and state.requires_grad_sync:
+            deferred += [b for b in state.buckets if b.wants_grad]
+            state._next_launch = len(state.buckets)
+    if deferred:
+        reduce_fused(deferred)
     for state in states:
         state.finish_backward()
 
