@@ -49,7 +49,6 @@ class HSDP(Feature):
             "overlap_grad_reduce": "--overlap-grad-reduce (use --hsdp-comm-async)",
             "overlap_param_gather": "--overlap-param-gather",
             "data_parallel_random_init": "--data-parallel-random-init",
-            "fp16": "--fp16 (use --bf16)",
         }
         for dest, flag in conflicts.items():
             if getattr(args, dest, False):
@@ -77,6 +76,14 @@ class HSDP(Feature):
             raise FeatureConfigError(f"--hsdp-threshold-kb must be >= 0; got {args.hsdp_threshold_kb}")
         if args.hsdp_bucket_size_kb < 0 and args.hsdp_bucket_size_kb != -1:
             raise FeatureConfigError(f"--hsdp-bucket-size-kb must be -1, 0 or > 0; got {args.hsdp_bucket_size_kb}")
+        if getattr(args, "fp16", False) and args.hsdp_reduce_dtype is None:
+            # fp16 gradients carry the loss scale: HSDP sums them over the shard group before it
+            # averages, and an fp16 sum overflows where megatron (dividing first) does not — seen as
+            # steps skipped only under --use-hsdp. Reduce in fp32 unless asked otherwise.
+            args.hsdp_reduce_dtype = "fp32"
+            if os.environ.get("RANK", "0") == "0":
+                print("[hyper_adaptor] --use-hsdp with --fp16: gradients reduced in fp32 "
+                      "(--hsdp-reduce-dtype fp32; set it to fp16 to override)", flush=True)
         if getattr(args, "gradient_accumulation_fusion", False):
             # megatron's fused wgrad writes into param.main_grad, which HSDP's gathered copies do
             # not carry: the gradient goes to .grad and is reduced by HSDP's hooks instead.

@@ -6,11 +6,14 @@ significant digits) equal. --hsdp-threshold-kb 0 shards every parameter (this mo
 below the 64 KB default); the default threshold is run too (level 2, comm_async).
 """
 
+import re
+
 import pytest
 
 from tests.e2e.test_pretrain_gpt import MODEL, grad_norms, pretrain
 
 pytestmark = pytest.mark.e2e
+LOSS_SCALE = re.compile(r"iteration\s+\d+/\s*\d+ \|.*?loss scale: ([0-9.E+-]+)")
 COMMON = ["--mock-data", "--train-iters", "3", "--global-batch-size", "16",
           "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
 LAYOUTS = {
@@ -68,6 +71,20 @@ def test_bf16_matches_megatron_ddp(ddp_bf16, level):
     assert sorted(got) == [1, 2, 3, 4]
     for it in (1, 2, 3, 4):
         assert abs(got[it] - want[it]) <= 1e-4 * abs(want[it]), (got, want)
+
+
+def test_fp16_loss_scaling_matches_megatron_ddp():
+    """--fp16 with megatron's dynamic loss scaler: HSDP reduces the fp16 gradients in fp32 (notice),
+    finds inf/nan over the data-parallel group; losses within 1e-4 relative, same loss scale."""
+    flags = ["--fp16", "--initial-loss-scale", "65536", "--train-iters", "5"]
+    want, want_output = _run("DP4", flags)
+    got, output = _run("DP4", [*flags, "--use-hsdp", "--hsdp-threshold-kb", "0"])
+    assert "--use-hsdp with --fp16: gradients reduced in fp32" in output
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
+    for it in want:
+        assert abs(got[it] - want[it]) <= 1e-4 * abs(want[it]), (got, want)
+    assert len(LOSS_SCALE.findall(want_output)) == 5
+    assert LOSS_SCALE.findall(output) == LOSS_SCALE.findall(want_output)
 
 
 # -- checkpoints: save at iteration 3 of 6, resume, compare with the uninterrupted run ---------------

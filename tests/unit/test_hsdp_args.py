@@ -95,3 +95,13 @@ def test_use_hsdp_below_level_2_is_a_notice_not_applied(capsys):
     from hyper_adaptor import features
 
     assert not features.get("hsdp").is_enabled(args)
+
+
+def test_fp16_reduces_in_fp32_unless_told(capsys):
+    from hyper_adaptor.features.hsdp import hsdp_kwargs
+
+    args = _prepare("--use-hsdp", "--fp16")
+    assert hsdp_kwargs(args)["reduce_dtype"] is torch.float32
+    assert "--use-hsdp with --fp16: gradients reduced in fp32" in capsys.readouterr().out
+    args = _prepare("--use-hsdp", "--fp16", "--hsdp-reduce-dtype", "fp16")
+    assert hsdp_kwargs(args)["reduce_dtype"] is torch.float16

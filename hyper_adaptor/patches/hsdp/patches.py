@@ -13,7 +13,7 @@ def patches(args) -> list[Patch]:
     from hyper_adaptor.patches.hsdp.checkpoint import hsdp_optimizer_load, hsdp_param_id_map
     from hyper_adaptor.patches.hsdp.data_parallel import make_wrapper_class
     from hyper_adaptor.patches.hsdp.grad_norm import hsdp_grad_norm
-    from hyper_adaptor.patches.hsdp.optimizer import mark_shards_stale
+    from hyper_adaptor.patches.hsdp.optimizer import found_inf_over_data_parallel, mark_shards_stale
 
     wrapper = make_wrapper_class(hsdp_kwargs(args))
     return [
@@ -29,4 +29,7 @@ def patches(args) -> list[Patch]:
         # bf16: the shards are written from fp32 main copies after the step
         Patch(f"{OPTIMIZER}.Float16OptimizerWithFloat16Params._copy_main_params_to_model_params", mark_shards_stale,
               "wrap", FEATURE),
+        # loss scaling: an overflow in one rank's gradient shard skips the step on every rank
+        Patch(f"{OPTIMIZER}.MixedPrecisionOptimizer._unscale_main_grads_and_check_for_nan",
+              found_inf_over_data_parallel, "wrap", FEATURE),
     ]
