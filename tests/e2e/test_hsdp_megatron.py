@@ -27,6 +27,8 @@ RUNS = {
     "DP4-level3": ("DP4", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "TP2xDP2-level3": ("TP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "PP2xDP2-level2": ("PP2xDP2", ["--hsdp-optimizer-level", "level2", "--hsdp-threshold-kb", "0", "--hsdp-bucket-size-kb", "16"]),
+    # level 3's default prefetch under the 1F1B schedule (forwards and backwards of micro-batches interleave)
+    "PP2xDP2-level3": ("PP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
 }
 
 
