@@ -205,6 +205,28 @@ def extras(rank: int, world_size: int) -> dict:
     out["structure"] = structure(rank, world_size)
     out["clip"] = _clip_matches_reference()
     out["bf16"] = _bf16_compute()
+    out["offload"] = _offload()
+    return out
+
+
+def _offload() -> dict:
+    """offload=True at each level: same numerics as the reference, and the shards, their gradients
+    and the optimizer state are host tensors. (On this CPU-only machine the compute device is the host
+    too, so this checks the offload code path and parity, not a device-to-host move.)"""
+    ref = reference()
+    out = {}
+    for level in ("level1", "level2", "level3"):
+        model = wrap(make_model(), optimizer_level=level, shard_size=2, threshold=THRESHOLD_KB, offload=True)
+        losses = train(model)
+        problems = compare(ref, losses, full_params(model))
+        devices = {p.to_local().device.type for p in model.parameters()}
+        devices |= {p.grad.to_local().device.type for p in model.parameters() if p.grad is not None}
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+        loss_of(model, batch(0).chunk(dist.get_world_size())[dist.get_rank()]).backward()
+        opt.step()
+        devices |= {v.to_local().device.type for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0}
+        out[level] = {"problems": problems, "devices": sorted(devices)}
     return out
 
 

@@ -81,3 +81,9 @@ def test_bf16_compute_with_fp32_master(extras):
     for got, want in zip(r["losses"], r["ref"]):
         assert abs(got - want) <= 3e-2 * abs(want), (r["losses"], r["ref"])
     assert r["losses"] != r["ref"]
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_offload_matches_and_keeps_shards_and_optimizer_state_on_the_host(extras, level):
+    assert extras["offload"][level]["problems"] == []
+    assert extras["offload"][level]["devices"] == ["cpu"]
