@@ -3,7 +3,7 @@ torch FSDP2: model-state memory and communication per rank against the ZeRO theo
 
 Run from the repository root::
 
-    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 9 contenders)
+    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 12 contenders)
     python bench/hsdp.py --quick    # smaller model, fewer steps (smoke run, under a minute)
 
 One gloo world of N = 4 ranks (tests/distributed/world.py), fp32, Adam (lr 1e-3, no weight decay, no
@@ -17,6 +17,7 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   TransformerLayer, then on the root GPTModel, ``torch.optim.Adam(model.parameters(), foreach=True)``
   (the multi-tensor Adam torch picks by default on CUDA; megatron's optimizers step flat buffers);
   ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
+  ``-async`` rows: the same with ``comm_async=True`` (reductions overlap the rest of backward);
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -86,6 +87,10 @@ CONTENDERS = {
     "hsdp-level1-t64": ("hsdp", "level1", 64),
     "hsdp-level2-t64": ("hsdp", "level2", 64),
     "hsdp-level3-t64": ("hsdp", "level3", 64),
+    # comm_async=True: reductions started as buckets fill, waited at the end of backward
+    "hsdp-level1-async": ("hsdp", "level1", 0),
+    "hsdp-level2-async": ("hsdp", "level2", 0),
+    "hsdp-level3-async": ("hsdp", "level3", 0),
     "fsdp2": ("fsdp2", "zero3", None),
 }
 ZERO_STAGE = {"ddp": "ddp", "zero1": "zero1", "level1": "zero1", "level2": "zero2", "level3": "zero3", "zero3": "zero3"}
@@ -349,9 +354,11 @@ class Contender:
         elif self.kind == "hsdp":
             from hyper_adaptor.parallel.hsdp import hsdp
 
+            kwargs = dict(optimizer_level=self.level, threshold=self.threshold, comm_fusion=True,
+                          comm_async=name.endswith("-async"))
             for layer in model.decoder.layers:
-                hsdp(layer, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
-            self.model = hsdp(model, optimizer_level=self.level, threshold=self.threshold, comm_fusion=True)
+                hsdp(layer, **kwargs)
+            self.model = hsdp(model, **kwargs)
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=True)
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -389,6 +396,10 @@ class Contender:
         loss.backward()
         if self.kind == "megatron":
             self.model.finish_grad_sync()
+        elif self.kind == "hsdp":
+            from hyper_adaptor.parallel.hsdp import hsdp_sync_stream
+
+            hsdp_sync_stream()
         backward_done = time.perf_counter()
         if self.kind == "megatron":
             ok, _, _ = self.optimizer.step()  # (the distributed optimizer all-gathers parameters here)
