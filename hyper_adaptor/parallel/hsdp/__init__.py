@@ -5,9 +5,10 @@ to this engine. See docs/features/hsdp.md.
 """
 
 from hyper_adaptor.parallel.hsdp._config import CPUOffloadPolicy, HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
+from hyper_adaptor.parallel.hsdp._state import mark_stale
 from hyper_adaptor.parallel.hsdp.api import HSDPModule, clip_grad_norm_, fully_shard, grad_sq_sum, hsdp, hsdp_sync_stream
 
 __all__ = [
     "CPUOffloadPolicy", "HSDPConfig", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-    "clip_grad_norm_", "fully_shard", "grad_sq_sum", "hsdp", "hsdp_sync_stream",
+    "clip_grad_norm_", "fully_shard", "grad_sq_sum", "hsdp", "hsdp_sync_stream", "mark_stale",
 ]

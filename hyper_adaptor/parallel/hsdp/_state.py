@@ -33,15 +33,20 @@ _BACKWARD: dict = {"queued": False, "states": []}
 ALL_STATES: "weakref.WeakSet[HSDPState]" = weakref.WeakSet()
 
 
+def mark_stale(params) -> None:
+    """Mark HSDP shards among ``params`` as changed: levels 1/2 re-gather them at the next forward.
+    For code that writes shards in place outside a torch optimizer step (other parameters are skipped)."""
+    for param in params:
+        hp = getattr(param, "_hsdp_param", None)
+        if hp is not None:
+            hp.stale = True
+
+
 def _mark_stale(optimizer, args, kwargs) -> None:
     # A DTensor updated in place does not move the version counter of the local tensor it wraps,
     # so staleness is told by the optimizer itself: any torch optimizer step (Megatron's optimizers
     # step a torch one inside) marks the HSDP parameters it holds for a fresh gather.
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            hp = getattr(param, "_hsdp_param", None)
-            if hp is not None:
-                hp.stale = True
+    mark_stale(p for group in optimizer.param_groups for p in group["params"])
 
 
 register_optimizer_step_post_hook(_mark_stale)

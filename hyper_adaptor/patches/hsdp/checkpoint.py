@@ -30,6 +30,7 @@ import math
 from dataclasses import replace
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from torch.distributed.tensor import DTensor
 
@@ -97,21 +98,14 @@ def _unfold(loaded, ndim: int) -> torch.Tensor:
 def localize_sharded_state_dict(state_dict):
     """Rewrite, in place, every ShardedTensor / factory whose data is an HSDP DTensor."""
 
-    def visit(node):
-        if isinstance(node, dict):
-            for key, value in node.items():
-                node[key] = visit(value)
-            return node
-        if isinstance(node, list):
-            return [visit(value) for value in node]
+    def localize(node):
         if isinstance(node, (ShardedTensor, ShardedTensorFactory)) and isinstance(node.data, DTensor):
             source = node.data
-            new = _localize_tensor(node) if isinstance(node, ShardedTensor) else _localize_factory(node)
-            new._hsdp_source = source  # what hsdp_param_id_map matches the optimizer's parameters with
-            return new
+            node = _localize_tensor(node) if isinstance(node, ShardedTensor) else _localize_factory(node)
+            node._hsdp_source = source  # what hsdp_param_id_map matches the optimizer's parameters with
         return node
 
-    return visit(state_dict)
+    return dict_list_map_inplace(localize, state_dict)
 
 
 def _localize_tensor(sh_ten: ShardedTensor):
@@ -155,21 +149,14 @@ def _localize_factory(factory: ShardedTensorFactory) -> ShardedTensorFactory:
         tracer = torch.arange(full_shape[0], dtype=torch.float64)
         tracer = tracer.view(-1, *([1] * (len(full_shape) - 1))).expand(full_shape)
         pieces = build(key, tracer, replica_id, flattened_range)
-        return _map_leaves(pieces, lambda piece: _cut_piece(piece, data, start, rows, replica, full_shape))
+        return dict_list_map_outplace(lambda piece: _cut_piece(piece, data, start, rows, replica, full_shape), pieces)
 
     @functools.wraps(merge)
     def merge_fn(loaded):
-        return merge(_map_leaves(loaded, lambda t: _unfold(t, len(full_shape)) if isinstance(t, torch.Tensor) else t))
+        return merge(dict_list_map_outplace(
+            lambda t: _unfold(t, len(full_shape)) if isinstance(t, torch.Tensor) else t, loaded))
 
     return replace(factory, data=dtensor._local_tensor, build_fn=build_fn, merge_fn=merge_fn)
-
-
-def _map_leaves(node, fn):
-    if isinstance(node, dict):
-        return {k: _map_leaves(v, fn) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_map_leaves(v, fn) for v in node]
-    return fn(node)
 
 
 def _cut_piece(piece, data, start, rows, replica, full_shape):
@@ -209,8 +196,8 @@ def hsdp_param_id_map(original):
     def get_param_id_to_sharded_param_map(model_sharded_state_dict, optim_params_iter):
         params = list(optim_params_iter)
         result = original(model_sharded_state_dict, params)
-        by_source = {}
-        _collect_sources(model_sharded_state_dict, by_source)
+        by_source = {id(entry._hsdp_source): entry for entry in nested_values(model_sharded_state_dict)
+                     if getattr(entry, "_hsdp_source", None) is not None}
         if by_source:
             first_index = {}
             for index, param in enumerate(params):
@@ -221,17 +208,6 @@ def hsdp_param_id_map(original):
         return result
 
     return get_param_id_to_sharded_param_map
-
-
-def _collect_sources(node, out: dict) -> None:
-    if isinstance(node, dict):
-        for value in node.values():
-            _collect_sources(value, out)
-    elif isinstance(node, list):
-        for value in node:
-            _collect_sources(value, out)
-    elif getattr(node, "_hsdp_source", None) is not None:
-        out[id(node._hsdp_source)] = node
 
 
 # -- loading: local rows -> DTensors ----------------------------------------------------------------

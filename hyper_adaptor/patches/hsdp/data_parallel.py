@@ -23,7 +23,7 @@ from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
-from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream
+from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream, mark_stale
 from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict, install_localized_sharded_state_dict
 
 
@@ -78,10 +78,7 @@ def make_wrapper_class(hsdp_kwargs: dict) -> type:
             result = self.module.load_state_dict(dtensor_model_state_dict(self.module, state_dict), strict=strict)
             # the engine's load hooks sit on the wrapped modules, and megatron's Float16Module
             # loads its child directly (its own hooks never run): mark every shard here
-            for param in self.module.parameters():
-                managed = getattr(param, "_hsdp_param", None)
-                if managed is not None:
-                    managed.stale = True
+            mark_stale(self.module.parameters())
             return result
 
     return HSDPDataParallel

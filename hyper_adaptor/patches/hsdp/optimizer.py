@@ -14,16 +14,14 @@ import functools
 import torch
 import torch.distributed as dist
 
+from hyper_adaptor.parallel.hsdp import mark_stale
+
 
 def mark_shards_stale(original):
     @functools.wraps(original)
     def _copy_main_params_to_model_params(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
-        for group in self.float16_groups:
-            for param in group:
-                managed = getattr(param, "_hsdp_param", None)
-                if managed is not None:
-                    managed.stale = True
+        mark_stale(p for group in self.float16_groups for p in group)
         return result
 
     return _copy_main_params_to_model_params

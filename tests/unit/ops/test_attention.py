@@ -13,9 +13,8 @@ import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron runs on 
 from hyper_adaptor.ops import attention as attn
 from hyper_adaptor.ops import backend as backend_module
 from hyper_adaptor.patch_manager import PatchManager
-from tests.unit.ops._world import open_world_of_one
 from hyper_adaptor.patches.fused import attention as attn_patch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -26,20 +25,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}
 # (sq, b, np, ng, hn): head dims 80/96, GQA ratios 1/2/4, a single token
 SHAPES = [(16, 2, 4, 4, 80), (12, 2, 4, 2, 96), (9, 1, 8, 2, 64), (1, 2, 4, 1, 80)]
-
-
-@pytest.fixture(scope="module")
-def megatron_state():
-    """One-process gloo group and megatron's model-parallel state (tp = 1), with its RNG tracker."""
-    import torch.distributed as dist
-
-    own = open_world_of_one()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if own:
-        dist.destroy_process_group()
 
 
 def _inputs(sq, b, np_, ng, hn, dtype, sk=None, seed=0):

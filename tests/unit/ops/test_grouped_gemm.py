@@ -24,7 +24,6 @@ from hyper_adaptor.ops import grouped_gemm as gg
 from hyper_adaptor.ops.grouped_gemm import grouped_gemm, grouped_gemm_op
 from hyper_adaptor.patch_manager import PatchManager
 from hyper_adaptor.patches.fused import grouped_gemm as gg_patch
-from tests.unit.ops._world import open_world_of_one
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2 ** -7, 2 ** -7)}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -157,20 +156,6 @@ def test_npu_falls_back_to_fast_with_one_notice(capsys, monkeypatch):
 
 
 # ------------------------------------------------------------------- inside megatron's SequentialMLP
-@pytest.fixture(scope="module")
-def megatron_state():
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    own = open_world_of_one()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    if own:
-        dist.destroy_process_group()
-
-
 def sequential_mlp(dtype, num_experts=4, glu=True, fusion=True, bias=False, **extra):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
