@@ -126,3 +126,34 @@ def need_npu_tensor(*tensors) -> str | None:
     if any(t.device.type != "npu" for t in tensors if t is not None):
         return "tensors are not on an NPU"
     return None
+
+
+class Compiled:
+    """``fn`` under ``torch.compile``, compiled at its first call — the fast backends of rms_norm,
+    swiglu and rope. Compilation can only fail when it runs (no C++ compiler, no Triton): that call and
+    every later one then run ``fallback`` (``fn`` itself unless given), with one notice naming
+    ``fallback_name``. ``failed`` tells callers that pick a whole other path once compilation is out."""
+
+    def __init__(self, op: str, fn: Callable, fallback: Callable | None = None,
+                 fallback_name: str = "the uncompiled function"):
+        self.op, self.fn = op, fn
+        self.fallback = fallback or fn
+        self.fallback_name = fallback_name
+        self.failed = False
+        self._compiled = None
+
+    def compiled(self) -> Callable:
+        if self._compiled is None:
+            import torch
+
+            self._compiled = torch.compile(self.fn)
+        return self._compiled
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled()(*args)
+            except Exception as exc:  # noqa: BLE001  (compilation errors surface at the first call)
+                self.failed = True
+                notice(self.op, "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", self.fallback_name)
+        return self.fallback(*args)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
+from hyper_adaptor.ops.backend import Compiled, Impl, Op, need_npu_tensor, npu_module
 
 __all__ = ["rms_norm", "rms_norm_op", "FusedRMSNorm"]
 
@@ -51,32 +51,16 @@ def _eager(x, weight, eps=1e-5):
 
 
 # ------------------------------------------------------------------------------------------ fast
-_compiled = None
-_compile_failed = False
-
-
-def _compiled_reference():
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_reference)
-    return _compiled
-
-
 def _torch_fused(x, weight, eps):
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
+_COMPILED = Compiled("rms_norm", _reference, _torch_fused, "F.rms_norm")
+
+
 def _fast(x, weight, eps=1e-5):
-    global _compile_failed
     _check(x, weight)
-    if not _compile_failed:
-        try:
-            flat = x.reshape(-1, x.shape[-1])
-            return _compiled_reference()(flat, weight, eps).view(x.shape)
-        except Exception as exc:  # no C++ compiler / Triton: compilation fails at the first call
-            _compile_failed = True
-            notice("rms_norm", "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", "F.rms_norm")
-    return _torch_fused(x, weight, eps)
+    return _COMPILED(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
 
 
 def _fast_supports(x, weight, eps=1e-5):

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
+from hyper_adaptor.ops.backend import Compiled, Impl, Op, need_npu_tensor, npu_module
 
 __all__ = ["apply_rotary", "rope_op"]
 
@@ -157,15 +157,7 @@ def _rotate_half_math(t, cos, sin, inverse: bool):
     return torch.cat((a * cos_a - b * sin_a, b * cos_b + a * sin_b, rest), dim=-1)
 
 
-_compiled = None
-_compile_failed = False
-
-
-def _compiled_math():
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(_rotate_half_math)
-    return _compiled
+_MATH = Compiled("rope", _rotate_half_math)
 
 
 class _CompiledRotaryFn(torch.autograd.Function):
@@ -174,17 +166,12 @@ class _CompiledRotaryFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _compiled_math()(t, cos, sin, False)
+        return _MATH(t, cos, sin, False)
 
     @staticmethod
     def backward(ctx, grad):
         cos, sin = ctx.saved_tensors
-        if not _compile_failed:
-            try:
-                return _compiled_math()(grad, cos, sin, True), None, None
-            except Exception as exc:
-                _compile_failure(exc)
-        return _rotate_half_math(grad, cos, sin, True), None, None
+        return _MATH(grad, cos, sin, True), None, None
 
 
 # cos and sin of the angles megatron hands every layer (one tensor per step, or the same one for many
@@ -211,20 +198,11 @@ def _cached_cos_sin(freqs: torch.Tensor, dtype: torch.dtype, mscale: float):
     return cos, sin
 
 
-def _compile_failure(exc: Exception) -> None:
-    global _compile_failed
-    _compile_failed = True
-    notice("rope", "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", "the uncompiled function")
-
-
 def _fast(t, freqs, *, interleaved=False, mla_interleaved=False, mscale=1.0):
     _check_shapes(t, freqs)
     cos, sin = _cached_cos_sin(freqs, t.dtype, mscale)
-    if not (interleaved or mla_interleaved or _compile_failed):
-        try:
-            return _CompiledRotaryFn.apply(t, cos, sin)
-        except Exception as exc:  # no C++ compiler / Triton: compilation fails at the first call
-            _compile_failure(exc)
+    if not (interleaved or mla_interleaved or _MATH.failed):
+        return _CompiledRotaryFn.apply(t, cos, sin)  # (the uncompiled math if compilation fails)
     return _RotaryFn.apply(t, cos, sin, interleaved, mla_interleaved)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
+from hyper_adaptor.ops.backend import Compiled, Impl, Op, need_npu_tensor, npu_module
 
 __all__ = ["swiglu", "bias_swiglu", "swiglu_op"]
 
@@ -63,37 +63,15 @@ def _backward_math(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.cat((d_gate, d_linear), dim=-1)  # fp32; the caller rounds
 
 
-_compiled: tuple | None = None
-_compile_failed = False
-
-
-def _math(use_compiled: bool):
-    global _compiled
-    if not use_compiled or _compile_failed:
-        return _forward_math, _backward_math
-    if _compiled is None:
-        _compiled = (torch.compile(_forward_math), torch.compile(_backward_math))
-    return _compiled
-
-
-def _compile_failure(exc: Exception, where: str) -> None:
-    global _compile_failed
-    _compile_failed = True
-    notice("swiglu", "fast (compiled)", f"torch.compile failed in {where}: {type(exc).__name__}", "uncompiled")
+_FORWARD = Compiled("swiglu", _forward_math)
+_BACKWARD = Compiled("swiglu", _backward_math)
 
 
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, use_compiled, fp8_input_store, cpu_offload_input):
-        fwd, _ = _math(use_compiled)
         y = _biased(x, bias)
-        try:
-            out = fwd(y)
-        except Exception as exc:
-            if fwd is _forward_math:
-                raise
-            _compile_failure(exc, "forward")
-            out = _forward_math(y)
+        out = (_FORWARD if use_compiled else _forward_math)(y)
         stored = x.to(torch.float8_e4m3fn) if fp8_input_store else x
         if cpu_offload_input:  # the marking megatron's own function sets for activation offloading
             stored.activation_offloading = True
@@ -107,15 +85,8 @@ class _SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, grad):
         stored, bias = ctx.saved_tensors
         x = stored.to(ctx.input_dtype) if stored.dtype != ctx.input_dtype else stored
-        _, bwd = _math(ctx.use_compiled)
         y = _biased(x, bias)
-        try:
-            grad_y = bwd(grad, y)
-        except Exception as exc:
-            if bwd is _backward_math:
-                raise
-            _compile_failure(exc, "backward")
-            grad_y = _backward_math(grad, y)
+        grad_y = (_BACKWARD if ctx.use_compiled else _backward_math)(grad, y)
         grad_x = grad_y.to(ctx.input_dtype) if ctx.needs_input_grad[0] else None
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:

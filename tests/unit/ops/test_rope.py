@@ -109,8 +109,8 @@ def test_compile_failure_falls_back_to_the_uncompiled_function_with_one_notice(m
             raise RuntimeError("no C++ compiler")
         return fail
 
-    monkeypatch.setattr(rope, "_compiled_math", broken)
-    monkeypatch.setattr(rope, "_compile_failed", False)
+    monkeypatch.setattr(rope._MATH, "compiled", broken)
+    monkeypatch.setattr(rope._MATH, "failed", False)
     ops_backend._noticed.difference_update({k for k in ops_backend._noticed if k[0] == "rope"})
     t, freqs, grad = _inputs((5, 2, 2, 96, 64), torch.float32, seed=6)
     capsys.readouterr()
