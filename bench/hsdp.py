@@ -3,7 +3,7 @@ torch FSDP2: model-state memory and communication per rank against the ZeRO theo
 
 Run from the repository root::
 
-    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 12 contenders)
+    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 13 contenders)
     python bench/hsdp.py --quick    # smaller model, fewer steps (smoke run, under a minute)
 
 One gloo world of N = 4 ranks (tests/distributed/world.py), fp32, Adam (lr 1e-3, no weight decay, no
@@ -18,6 +18,9 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   (the multi-tensor Adam torch picks by default on CUDA; megatron's optimizers step flat buffers);
   ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
   ``-async`` rows: the same with ``comm_async=True`` (reductions overlap the rest of backward);
+  on gloo HSDP reduce-scatters with an all-to-all and a local sum (``_bucket.reduce_scatter``: gloo's
+  ``reduce_scatter_tensor`` is a clone + all-reduce + copy); the ``-gloo-rs`` row uses gloo's own
+  reduce-scatter, as Megatron does, to show what that choice is worth;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -91,6 +94,9 @@ CONTENDERS = {
     "hsdp-level1-async": ("hsdp", "level1", 0),
     "hsdp-level2-async": ("hsdp", "level2", 0),
     "hsdp-level3-async": ("hsdp", "level3", 0),
+    # gloo's own reduce_scatter_tensor (a clone + all-reduce + copy) instead of HSDP's all-to-all one:
+    # the same collectives as megatron-distopt, to show what the all-to-all is worth
+    "hsdp-level1-gloo-rs": ("hsdp", "level1", 0),
     "fsdp2": ("fsdp2", "zero3", None),
 }
 ZERO_STAGE = {"ddp": "ddp", "zero1": "zero1", "level1": "zero1", "level2": "zero2", "level3": "zero3", "zero3": "zero3"}
@@ -387,6 +393,10 @@ class Contender:
     def step(self, batch: dict) -> tuple[float, float, float]:
         """One training step: (loss on this rank, seconds to the end of backward and gradient
         reduction, seconds of ``optimizer.step()``)."""
+        if self.kind == "hsdp":
+            from hyper_adaptor.parallel.hsdp import _bucket
+
+            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = not self.name.endswith("-gloo-rs")
         start = time.perf_counter()
         if self.kind == "megatron":
             self.model.zero_grad_buffer()

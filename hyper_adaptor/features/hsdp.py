@@ -57,6 +57,19 @@ class HSDP(Feature):
             args, "num_layers_per_virtual_pipeline_stage", None
         ):
             raise FeatureConfigError("--use-hsdp does not support virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)")
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        etp = getattr(args, "expert_tensor_parallel_size", None)
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        if ep > 1 or (etp is not None and etp != tp):
+            # HSDP shards and reduces every parameter over megatron's data-parallel group; expert
+            # parameters under expert parallelism belong to the expert data-parallel group, and
+            # reducing them over the other one would sum different experts' gradients.
+            raise FeatureConfigError(
+                f"--use-hsdp does not support expert parallelism: --expert-model-parallel-size {ep}"
+                f"{f' --expert-tensor-parallel-size {etp}' if etp is not None and etp != tp else ''} "
+                f"(MoE with --expert-model-parallel-size 1 and the expert tensor-parallel size equal to "
+                f"--tensor-model-parallel-size {tp} is supported)"
+            )
         fmt = getattr(args, "ckpt_format", "torch_dist")
         if (getattr(args, "save", None) or getattr(args, "load", None)) and fmt != "torch_dist":
             # HSDP's shards are written as megatron torch_dist entries at their global offsets

@@ -206,7 +206,60 @@ def extras(rank: int, world_size: int) -> dict:
     out["clip"] = _clip_matches_reference()
     out["bf16"] = _bf16_compute()
     out["offload"] = _offload()
+    out["reduce_scatter"] = _reduce_scatter_paths()
     return out
+
+
+def _reduce_scatter_paths() -> dict:
+    """HSDP's reduce-scatter on gloo (all-to-all + local sum) and gloo's own, sync and async, over
+    the world and over a 2-rank subgroup, fp32 and bf16: this rank's chunk of the sum over the group,
+    against the sum computed locally from every member's (seeded) input. Also which collective ran."""
+    from hyper_adaptor.parallel.hsdp import _bucket
+
+    rank = dist.get_rank()
+    pair = dist.new_group([0, 1]) if dist.get_world_size() >= 2 else None
+    groups = {"world": (None, list(range(dist.get_world_size())))}
+    if rank in (0, 1):
+        groups["pair"] = (pair, [0, 1])
+    calls = {"all_to_all_single": 0, "reduce_scatter_tensor": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    problems, used = [], {}
+    keep = _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL
+    try:
+        for name in calls:
+            setattr(dist, name, counting(name))
+        for as_all_to_all in (True, False):
+            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = as_all_to_all
+            for gname, (group, members) in groups.items():
+                S, me = len(members), members.index(rank)
+                for dtype in (torch.float32, torch.bfloat16):
+                    for async_op in (False, True):
+                        inputs = [torch.randn(S * 7, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
+                                  for m in members]
+                        out = torch.empty(7, dtype=dtype)
+                        before = dict(calls)
+                        work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op)
+                        if async_op:
+                            work.wait()
+                        want = torch.stack([t.float() for t in inputs]).sum(0)[me * 7 : (me + 1) * 7]
+                        tol = 1e-6 if dtype == torch.float32 else 2e-2
+                        err = (out.float() - want).abs().max().item()
+                        key = f"{'a2a' if as_all_to_all else 'gloo'}-{gname}-{dtype}-{'async' if async_op else 'sync'}"
+                        if err > tol * max(1.0, want.abs().max().item()):
+                            problems.append(f"{key}: max error {err}")
+                        used[key] = [n for n in calls if calls[n] > before[n]]
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = keep
+    return {"problems": problems, "used": used}
 
 
 def _offload() -> dict:

@@ -87,3 +87,11 @@ def test_bf16_compute_with_fp32_master(extras):
 def test_offload_matches_and_keeps_shards_and_optimizer_state_on_the_host(extras, level):
     assert extras["offload"][level]["problems"] == []
     assert extras["offload"][level]["devices"] == ["cpu"]
+
+
+def test_gloo_reduce_scatter_as_all_to_all_matches_the_sum(extras):
+    r = extras["reduce_scatter"]
+    assert r["problems"] == []
+    assert len(r["used"]) == 16  # 2 paths x 2 groups x 2 dtypes x sync/async (rank 0 is in both groups)
+    for key, used in r["used"].items():
+        assert used == (["all_to_all_single"] if key.startswith("a2a") else ["reduce_scatter_tensor"]), key

@@ -18,6 +18,10 @@ COMMON = ["--mock-data", "--train-iters", "3", "--global-batch-size", "16",
           "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
 LAYOUTS = {
     "DP4": [],
+    # MoE, expert-parallel size 1 (the expert data-parallel group is the data-parallel group); without
+    # linear biases: megatron 0.19.2's SequentialMLP adds the expert bias in place into the output of
+    # _ReduceFromModelParallelRegion, which autograd refuses at TP 1 (megatron DDP alike)
+    "DP4-MoE": ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"],
     "TP2xDP2": ["--tensor-model-parallel-size", "2"],
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
 }
@@ -25,6 +29,7 @@ RUNS = {
     "DP4-level1-hybrid": ("DP4", ["--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0", "--hsdp-shard-size", "2"]),
     "DP4-level2-async-default-threshold": ("DP4", ["--hsdp-optimizer-level", "level2", "--hsdp-comm-async"]),
     "DP4-level3": ("DP4", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
+    "DP4-MoE-level3": ("DP4-MoE", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "TP2xDP2-level3": ("TP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "PP2xDP2-level2": ("PP2xDP2", ["--hsdp-optimizer-level", "level2", "--hsdp-threshold-kb", "0", "--hsdp-bucket-size-kb", "16"]),
     # level 3's default prefetch under the 1F1B schedule (forwards and backwards of micro-batches interleave)
@@ -98,6 +103,10 @@ RESUMES = {
     # bf16: fp32 main copies of the shards, written by megatron's Float16 optimizer
     "TP2xDP2-level2-swiglu-bf16": ("TP2xDP2", ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"],
                                    ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"], SWIGLU_MODEL),
+    # another level and shard size reads it: level 3 over 4 ranks writes, level 1 hybrid (2 x 2) resumes
+    "DP4-level3-to-level1-hybrid": ("DP4", ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"],
+                                    ["--use-hsdp", "--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0",
+                                     "--hsdp-shard-size", "2"], MODEL),
     # the checkpoint is megatron's own layout: HSDP (hybrid, level 1) writes it, plain DDP resumes
     "DP4-level1-hybrid-to-DDP": ("DP4", ["--use-hsdp", "--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb",
                                          "0", "--hsdp-shard-size", "2"], [], SWIGLU_MODEL),

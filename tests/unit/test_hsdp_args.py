@@ -70,6 +70,10 @@ def _prepare(*flags, world=4):
         (("--save", "/tmp/x", "--ckpt-format", "torch"),
          "--use-hsdp checkpoints need --ckpt-format torch_dist \\(the default\\); got --ckpt-format torch"),
         (("--hsdp-threshold-kb", "-1"), "--hsdp-threshold-kb must be >= 0"),
+        (("--num-experts", "4", "--expert-model-parallel-size", "2"),
+         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 2"),
+        (("--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
+         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"),
     ],
 )
 def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):

@@ -154,13 +154,15 @@ class HSDPParam:
     def _before_accumulate(self, grad):
         """Runs before autograd adds this backward's gradient into ``full.grad``.
 
-        Level 1 keeps the full gradient: once the optimizer has consumed (cleared) the shard's
-        gradient the full one is zeroed; if a reduced shard gradient is still held (two synced
+        Level 1 keeps the full gradient between steps, but once it has been reduced its content is
+        spent: it is dropped here so that autograd takes this backward's gradient as the new
+        ``full.grad`` as is, rather than zeroing the old buffer and adding into it (two passes over
+        the full gradient per step). If a reduced shard gradient is still held (two synced
         backwards in one step), it is stashed so the next reduction adds to it exactly."""
         if self.grad_state == "reduced" and self.config.keeps_full_grads and self.full.grad is not None:
             if self.sharded_param.grad is not None:
                 self._stash = self._own_rows(self.full.grad.data).clone()
-            self.full.grad.data.zero_()
+            self.full.grad = None
             self.grad_state = "empty"
         return grad
 
@@ -183,9 +185,9 @@ class HSDPParam:
             if self._stash is not None:
                 mine.add_(self._stash)
                 self._stash = None
-            if self.sharded:  # the other rows were consumed by the reduction
-                full_grad[: self.row_start].zero_()
-                full_grad[self.row_start + self.local_rows :].zero_()
+            # The other rows still hold this rank's unreduced contribution; nothing reads them
+            # (the full gradient is internal, and the next backward drops it) so they are not
+            # cleared: that would be another pass over most of the full gradient per step.
             grad_local = mine if self.aliased else mine.to(self.shard_device, self.master_dtype)
             held = self.sharded_param.grad
             if held is None or (self.aliased and held.to_local().data_ptr() != grad_local.data_ptr()):

@@ -224,8 +224,8 @@ class HSDPState:
             if not flush and not wanted <= bucket.ready:
                 return
             self._next_launch += 1
-            if not wanted:
-                continue
+            if not wanted or not bucket.sharded:
+                continue  # whole (below-threshold) parameters: all-reduced together at the end
             bucket.start_reduce(async_op=self.config.comm_async)
             if self.config.comm_async:
                 self._pending_reduce.append(bucket)
@@ -266,11 +266,18 @@ def _end_of_backward() -> None:
     # Level 1, synchronous: the full gradients stay anyway and a blocking reduction per bucket would
     # not overlap with anything, so every unit's buckets are reduced here in one collective (per
     # compatible group), in the order the units joined backward (the same on every rank).
+    # Parameters kept whole (below the threshold) are small by definition: a collective of its own
+    # per unit would cost a rendezvous of every rank for a few KB, so at every level they are
+    # all-reduced here together, in one collective.
     deferred = []
     for state in states:
-        if state.defers_reduce and state.requires_grad_sync:
+        if not state.requires_grad_sync:
+            continue
+        if state.defers_reduce:
             deferred += [b for b in state.buckets if b.wants_grad]
             state._next_launch = len(state.buckets)
+        else:
+            deferred += [b for b in state.buckets if b.wants_grad and not b.sharded]
     if deferred:
         reduce_fused(deferred)
     for state in states:
