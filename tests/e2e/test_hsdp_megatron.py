@@ -22,6 +22,8 @@ LAYOUTS = {
     # linear biases: megatron 0.19.2's SequentialMLP adds the expert bias in place into the output of
     # _ReduceFromModelParallelRegion, which autograd refuses at TP 1 (megatron DDP alike)
     "DP4-MoE": ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"],
+    # full activation recomputation: each layer's forward runs again inside backward
+    "DP4-recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
     "TP2xDP2": ["--tensor-model-parallel-size", "2"],
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
 }
@@ -30,6 +32,8 @@ RUNS = {
     "DP4-level2-async-default-threshold": ("DP4", ["--hsdp-optimizer-level", "level2", "--hsdp-comm-async"]),
     "DP4-level3": ("DP4", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "DP4-MoE-level3": ("DP4-MoE", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
+    # level 3 frees a unit's parameters after its forward; the recomputed forward in backward must find them
+    "DP4-recompute-level3": ("DP4-recompute", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "TP2xDP2-level3": ("TP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "PP2xDP2-level2": ("PP2xDP2", ["--hsdp-optimizer-level", "level2", "--hsdp-threshold-kb", "0", "--hsdp-bucket-size-kb", "16"]),
     # level 3's default prefetch under the 1F1B schedule (forwards and backwards of micro-batches interleave)
