@@ -20,7 +20,8 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   ``-async`` rows: the same with ``comm_async=True`` (reductions overlap the rest of backward);
   on gloo HSDP reduce-scatters with an all-to-all and a local sum (``_bucket.reduce_scatter``: gloo's
   ``reduce_scatter_tensor`` is a clone + all-reduce + copy); the ``-gloo-rs`` row uses gloo's own
-  reduce-scatter, as Megatron does, to show what that choice is worth;
+  reduce-scatter, as Megatron does, to show what that choice is worth; every HSDP contender has its
+  own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes are printed under the table;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -355,11 +356,13 @@ class Contender:
         self.kind, self.level, self.threshold = CONTENDERS[name]
         self.stage = ZERO_STAGE[self.level]
         config, model = make_gpt(dims, init)
+        self.pool = None
         if self.kind == "megatron":
             self._build_megatron(config, model)
         elif self.kind == "hsdp":
-            from hyper_adaptor.parallel.hsdp import hsdp
+            from hyper_adaptor.parallel.hsdp import _bucket, hsdp
 
+            self.pool = _bucket.HostBufferPool()  # its own, so that what it keeps is this contender's
             kwargs = dict(optimizer_level=self.level, threshold=self.threshold, comm_fusion=True,
                           comm_async=name.endswith("-async"))
             for layer in model.decoder.layers:
@@ -397,6 +400,7 @@ class Contender:
             from hyper_adaptor.parallel.hsdp import _bucket
 
             _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = not self.name.endswith("-gloo-rs")
+            _bucket.POOL = self.pool
         start = time.perf_counter()
         if self.kind == "megatron":
             self.model.zero_grad_buffer()
@@ -443,6 +447,10 @@ class Contender:
         if self.kind == "hsdp":
             return hsdp_state(self.model, self.optimizer)
         return fsdp2_state(self.model, self.optimizer)
+
+    def pool_bytes(self) -> int | None:
+        """Bytes HSDP's CPU buffer pool keeps reserved between steps (not model state)."""
+        return self.pool.reserved_bytes() if self.pool is not None else None
 
     def hsdp_comm_bytes(self) -> int | None:
         return self.model.hsdp_comm_bytes() if self.kind == "hsdp" else None
@@ -513,6 +521,7 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
     finally:
         counter.uninstall()
     state = {c.name: c.model_state() for c in contenders}
+    pool = {c.name: c.pool_bytes() for c in contenders}
 
     # the loss of the global batch (mean over ranks) and the slowest rank's time per step
     loss_tensor = torch.tensor([losses[c.name] for c in contenders], dtype=torch.float64)
@@ -530,6 +539,7 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
         "grad_norm": grad_norm,
         "layout": layout,
         "state": state,
+        "pool_bytes": pool,
         "comm": comm,
         "hsdp_comm_bytes": hsdp_comm,
         "comm_step": comm_step,
@@ -585,6 +595,8 @@ def run(args) -> dict:
             "comm_theory_configured_bytes": comm_configured,
             "comm_vs_configured_theory": max(comm) / comm_configured,
             "hsdp_comm_bytes_rank0": r0["hsdp_comm_bytes"].get(name),
+            "hsdp_pool_bytes_max": (None if r0["pool_bytes"][name] is None
+                                    else max(res["pool_bytes"][name] for res in results)),
             "step_ms_median": medians[name] * 1000,
             "step_ms_all": [t * 1000 for t in r0["step_s"][name]],
             "rank0_forward_backward_ms_median": backward_s * 1000, "rank0_optimizer_ms_median": optimizer_s * 1000,
@@ -652,6 +664,10 @@ def table(result: dict) -> str:
         "gathered once per step, not twice.",
         f"step ms: median over {result['steps']} interleaved steps after {result['warmup']} warm-up, slowest rank; "
         f"fwd+bwd / opt: rank 0's medians of forward+backward(+gradient reduction) and optimizer.step().",
+        "HSDP's CPU buffer pool (its largest transient communication buffers, kept between steps as a "
+        "caching allocator would; not in the model state above), MiB per rank: " + ", ".join(
+            f"{r['contender']} {_mib(r['hsdp_pool_bytes_max'])}" for r in result["rows"]
+            if r.get("hsdp_pool_bytes_max") is not None) + ".",
         "",
         f"Collectives per rank in step {result['comm_step']} (rank 0: calls, MiB):",
     ]

@@ -26,6 +26,55 @@ from hyper_adaptor.parallel.hsdp._param import HSDPParam
 GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = True
 
 
+class HostBufferPool:
+    """Keeps the large transient communication buffers of HSDP on the CPU between uses.
+
+    The CUDA / NPU caching allocators keep freed blocks reserved for the next allocation; torch's CPU
+    allocator hands large blocks back to the operating system, so a buffer the size of the whole
+    model, allocated afresh each step, page-faults all of it in again: measured ~0.1x of a level-1
+    step on the 2-core CI box (bench/hsdp.py). This pool does what a caching allocator does, for
+    HSDP's own buffers only and only on the CPU: a block given back after its last use is handed out
+    again to the next request it fits. At most ``keep`` blocks per dtype stay reserved; their bytes
+    are reported by :meth:`reserved_bytes` (bench/hsdp.py prints them beside the model state).
+    Only buffers whose every view is dead at ``give`` time come here (never the reduced output,
+    which gradient shards are views of)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            blocks = self.free.get((dtype, device), [])
+            fitting = [i for i, b in enumerate(blocks) if b.numel() >= numel]
+            if fitting:
+                block = blocks.pop(min(fitting, key=lambda i: blocks[i].numel()))
+                return block[:numel]
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != "cpu":
+            return
+        block = tensor if tensor._base is None else tensor._base
+        blocks = self.free.setdefault((block.dtype, block.device), [])
+        if any(b.data_ptr() == block.data_ptr() for b in blocks):
+            return
+        blocks.append(block)
+        blocks.sort(key=torch.Tensor.numel, reverse=True)
+        del blocks[self.keep :]
+
+    def reserved_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for blocks in self.free.values() for b in blocks)
+
+
+POOL = HostBufferPool()
+
+
+def host_buffer_pool() -> HostBufferPool:
+    """The pool HSDP's collectives use now (``host_buffer_pool().keep = 0`` keeps nothing between uses)."""
+    return POOL
+
+
 class _SummedAllToAll:
     """Work handle of a reduce-scatter done as an all-to-all: waiting sums the received chunks."""
 
@@ -99,20 +148,20 @@ class Bucket:
             return
         send = torch.empty(self.L, dtype=self.compute_dtype, device=self.device)
         self.pack_params(send)
-        recv = torch.empty(self.S * self.L, dtype=self.compute_dtype, device=self.device)
+        recv = POOL.take(self.S * self.L, self.compute_dtype, self.device)
         work = dist.all_gather_into_tensor(recv, send, group=self.mesh.shard_group, async_op=async_op)
         self.comm_bytes += recv.numel() * recv.element_size()
-        self._gather = (work, recv.view(self.S, self.L))
+        self._gather = (_Shared(work, recv, readers=1), recv.view(self.S, self.L))
 
     def finish_gather(self) -> None:
         if self._gather is None:
             return
-        work, blocks = self._gather
+        shared, blocks = self._gather
         self._gather = None
-        if work is not None:
-            work.wait()
+        shared.wait()
         for p, off in self:
             p.write_gathered(blocks[:, off : off + p.chunk_numel])
+        shared.done_reading()
 
     # -- gradients -------------------------------------------------------------------------------
     def pack_grads(self, blocks: torch.Tensor) -> None:
@@ -131,26 +180,33 @@ class Bucket:
         self.ready.clear()
 
     def start_reduce(self, async_op: bool) -> None:
-        send = torch.empty(self.S * self.L, dtype=self.reduce_dtype, device=self.device)
+        numel = self.S * self.L
+        if self.sharded:
+            send = POOL.take(numel, self.reduce_dtype, self.device)
+        else:  # all-reduced in place: the buffer becomes the gradients (not pooled)
+            send = torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
         self.pack_grads(send.view(self.S, self.L))
         nbytes = send.numel() * send.element_size()
         if self.sharded:
             out = torch.empty(self.L, dtype=self.reduce_dtype, device=self.device)
             work = reduce_scatter(out, send, self.mesh.shard_group, async_op)
             self.comm_bytes += nbytes
+            self._reduce = (work, out, send)
         else:
             out = send
             work = dist.all_reduce(send, group=self.mesh.dp_group, async_op=async_op)
             self.comm_bytes += 2 * nbytes
-        self._reduce = (work, out)
+            self._reduce = (work, out, None)
 
     def finish_reduce(self) -> None:
         if self._reduce is None:
             return
-        work, out = self._reduce
+        work, out, send = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
+        if send is not None:
+            POOL.give(send)
         if self.sharded and self.mesh.replicas > 1:
             dist.all_reduce(out, group=self.mesh.replicate_group)
             self.comm_bytes += 2 * out.numel() * out.element_size()
@@ -158,15 +214,22 @@ class Bucket:
 
 
 class _Shared:
-    """One collective serving several buckets: waited once."""
+    """One all-gather serving one or several buckets: waited once; its receive buffer goes back to
+    the pool when the last bucket has read its part."""
 
-    def __init__(self, work):
-        self.work = work
+    def __init__(self, work, recv: torch.Tensor, readers: int):
+        self.work, self.recv, self.readers = work, recv, readers
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+    def done_reading(self) -> None:
+        self.readers -= 1
+        if self.readers == 0:
+            POOL.give(self.recv)
+            self.recv = None
 
 
 def _fusable(buckets: list[Bucket], dtype_of) -> list[list[Bucket]]:
@@ -196,8 +259,9 @@ def gather_fused(buckets: list[Bucket], async_op: bool) -> None:
         for b in members:
             b.pack_params(send[offset : offset + b.L])
             offset += b.L
-        recv = torch.empty(head.S * total, dtype=head.compute_dtype, device=head.device)
-        shared = _Shared(dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op))
+        recv = POOL.take(head.S * total, head.compute_dtype, head.device)
+        work = dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op)
+        shared = _Shared(work, recv, readers=len(members))
         blocks = recv.view(head.S, total)
         offset = 0
         for b in members:
@@ -216,7 +280,10 @@ def reduce_fused(buckets: list[Bucket]) -> None:
             head.finish_reduce()
             continue
         total = sum(b.L for b in members)
-        send = torch.empty(head.S * total, dtype=head.reduce_dtype, device=head.device)
+        if head.sharded:
+            send = POOL.take(head.S * total, head.reduce_dtype, head.device)
+        else:  # all-reduced in place: the buffer becomes the gradients (not pooled)
+            send = torch.empty(head.S * total, dtype=head.reduce_dtype, device=head.device)
         blocks = send.view(head.S, total)
         offset = 0
         for b in members:
@@ -225,6 +292,7 @@ def reduce_fused(buckets: list[Bucket]) -> None:
         if head.sharded:
             out = torch.empty(total, dtype=head.reduce_dtype, device=head.device)
             reduce_scatter(out, send, head.mesh.shard_group, async_op=False)
+            POOL.give(send)
             if head.mesh.replicas > 1:
                 dist.all_reduce(out, group=head.mesh.replicate_group)
         else:
