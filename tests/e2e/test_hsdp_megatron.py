@@ -14,8 +14,10 @@ from tests.e2e.test_pretrain_gpt import MODEL, grad_norms, pretrain
 
 pytestmark = pytest.mark.e2e
 LOSS_SCALE = re.compile(r"iteration\s+\d+/\s*\d+ \|.*?loss scale: ([0-9.E+-]+)")
+# --num-workers 0: no data-loader worker processes (8 per run otherwise, on 2 cores); megatron's loader
+# workers are exercised by tests/e2e/test_pretrain_gpt.py
 COMMON = ["--mock-data", "--train-iters", "3", "--global-batch-size", "16",
-          "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+          "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--num-workers", "0"]
 LAYOUTS = {
     "DP4": [],
     # MoE, expert-parallel size 1 (the expert data-parallel group is the data-parallel group); without

@@ -32,11 +32,46 @@ def pretrain(nproc, *args, timeout=420, model=MODEL):
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), "examples/pretrain_gpt.py", *model, *args,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
+    # PYTHONFAULTHANDLER: a rank that hangs past the timeout is sent SIGABRT, and prints where every
+    # thread of it stands before the run is killed (the test still fails, with the stacks in its message)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = _abort_hung_ranks(proc)
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(command[7:])}\n"
+                                 f"{stdout[-2000:]}\n{stderr[-12000:]}") from None
+    output = stdout + stderr
+    assert proc.returncode == 0, output[-4000:]
     return {int(i): float(v) for i, v in LOSS.findall(output)}, output
+
+
+def _abort_hung_ranks(proc):
+    import signal
+    import psutil
+
+    def cmdline(process):
+        try:
+            return " ".join(process.cmdline())
+        except psutil.Error:
+            return ""
+
+    ranks = [c for c in psutil.Process(proc.pid).children(recursive=True) if "pretrain_gpt.py" in cmdline(c)]
+    for rank in ranks:
+        try:
+            rank.send_signal(signal.SIGABRT)
+        except psutil.Error:
+            pass
+    psutil.wait_procs(ranks, timeout=20)
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    proc.kill()
+    return proc.communicate()
 
 
 def grad_norms(output):
