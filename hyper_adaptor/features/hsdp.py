@@ -60,14 +60,16 @@ class HSDP(Feature):
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         etp = getattr(args, "expert_tensor_parallel_size", None)
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-        if ep > 1 or (etp is not None and etp != tp):
+        if ep > 1 or etp not in (None, tp):
             # HSDP shards and reduces every parameter over megatron's data-parallel group; expert
             # parameters under expert parallelism belong to the expert data-parallel group, and
             # reducing them over the other one would sum different experts' gradients.
+            flags = f"--expert-model-parallel-size {ep}"
+            if etp not in (None, tp):
+                flags += f" --expert-tensor-parallel-size {etp}"
             raise FeatureConfigError(
-                f"--use-hsdp does not support expert parallelism: --expert-model-parallel-size {ep}"
-                f"{f' --expert-tensor-parallel-size {etp}' if etp is not None and etp != tp else ''} "
-                f"(MoE with --expert-model-parallel-size 1 and the expert tensor-parallel size equal to "
+                f"--use-hsdp does not support expert parallelism: {flags} (MoE with "
+                f"--expert-model-parallel-size 1 and the expert tensor-parallel size equal to "
                 f"--tensor-model-parallel-size {tp} is supported)"
             )
         fmt = getattr(args, "ckpt_format", "torch_dist")

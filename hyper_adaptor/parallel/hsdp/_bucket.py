@@ -146,12 +146,7 @@ class Bucket:
             for p in self.params:
                 p.refresh_unsharded()
             return
-        send = torch.empty(self.L, dtype=self.compute_dtype, device=self.device)
-        self.pack_params(send)
-        recv = POOL.take(self.S * self.L, self.compute_dtype, self.device)
-        work = dist.all_gather_into_tensor(recv, send, group=self.mesh.shard_group, async_op=async_op)
-        self.comm_bytes += recv.numel() * recv.element_size()
-        self._gather = (_Shared(work, recv, readers=1), recv.view(self.S, self.L))
+        _start_gathering([self], async_op)
 
     def finish_gather(self) -> None:
         if self._gather is None:
@@ -180,37 +175,12 @@ class Bucket:
         self.ready.clear()
 
     def start_reduce(self, async_op: bool) -> None:
-        numel = self.S * self.L
-        if self.sharded:
-            send = POOL.take(numel, self.reduce_dtype, self.device)
-        else:  # all-reduced in place: the buffer becomes the gradients (not pooled)
-            send = torch.empty(numel, dtype=self.reduce_dtype, device=self.device)
-        self.pack_grads(send.view(self.S, self.L))
-        nbytes = send.numel() * send.element_size()
-        if self.sharded:
-            out = torch.empty(self.L, dtype=self.reduce_dtype, device=self.device)
-            work = reduce_scatter(out, send, self.mesh.shard_group, async_op)
-            self.comm_bytes += nbytes
-            self._reduce = (work, out, send)
-        else:
-            out = send
-            work = dist.all_reduce(send, group=self.mesh.dp_group, async_op=async_op)
-            self.comm_bytes += 2 * nbytes
-            self._reduce = (work, out, None)
+        self._reduce = _Reduction([self], async_op)
 
     def finish_reduce(self) -> None:
-        if self._reduce is None:
-            return
-        work, out, send = self._reduce
-        self._reduce = None
-        if work is not None:
-            work.wait()
-        if send is not None:
-            POOL.give(send)
-        if self.sharded and self.mesh.replicas > 1:
-            dist.all_reduce(out, group=self.mesh.replicate_group)
-            self.comm_bytes += 2 * out.numel() * out.element_size()
-        self.accept_grads(out)
+        if self._reduce is not None:
+            reduction, self._reduce = self._reduce, None
+            reduction.finish()
 
 
 class _Shared:
@@ -242,43 +212,49 @@ def _fusable(buckets: list[Bucket], dtype_of) -> list[list[Bucket]]:
     return list(groups.values())
 
 
+def _start_gathering(members: list[Bucket], async_op: bool) -> None:
+    """One all-gather for sharded buckets side by side (one bucket, or a fused group): the
+    rank-major receive buffer holds each bucket as a column block, which its ``finish_gather``
+    reads (strided)."""
+    head = members[0]
+    total = sum(b.L for b in members)
+    send = torch.empty(total, dtype=head.compute_dtype, device=head.device)
+    offset = 0
+    for b in members:
+        b.pack_params(send[offset : offset + b.L])
+        offset += b.L
+    recv = POOL.take(head.S * total, head.compute_dtype, head.device)
+    work = dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op)
+    shared = _Shared(work, recv, readers=len(members))
+    blocks = recv.view(head.S, total)
+    offset = 0
+    for b in members:
+        b._gather = (shared, blocks[:, offset : offset + b.L])
+        b.comm_bytes += head.S * b.L * recv.element_size()
+        offset += b.L
+
+
 def gather_fused(buckets: list[Bucket], async_op: bool) -> None:
-    """Start the all-gather of several buckets as ONE collective per compatible group: their flat
-    buffers side by side, so the rank-major receive buffer holds each bucket as a column block
-    (what ``finish_gather`` reads, strided). Fewer, larger collectives: each one is a rendezvous
-    of every rank, which costs more than its bytes on a loaded host."""
+    """Start the all-gather of several buckets as ONE collective per compatible group. Fewer,
+    larger collectives: each one is a rendezvous of every rank, which costs more than its bytes
+    on a loaded host."""
     for members in _fusable(buckets, lambda b: b.compute_dtype):
-        head = members[0]
-        if not head.sharded or len(members) == 1:
+        if members[0].sharded:
+            _start_gathering(members, async_op)
+        else:
             for b in members:
                 b.start_gather(async_op)
-            continue
-        total = sum(b.L for b in members)
-        send = torch.empty(total, dtype=head.compute_dtype, device=head.device)
-        offset = 0
-        for b in members:
-            b.pack_params(send[offset : offset + b.L])
-            offset += b.L
-        recv = POOL.take(head.S * total, head.compute_dtype, head.device)
-        work = dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op)
-        shared = _Shared(work, recv, readers=len(members))
-        blocks = recv.view(head.S, total)
-        offset = 0
-        for b in members:
-            b._gather = (shared, blocks[:, offset : offset + b.L])
-            b.comm_bytes += head.S * b.L * recv.element_size()
-            offset += b.L
 
 
-def reduce_fused(buckets: list[Bucket]) -> None:
-    """Reduce several buckets now, as ONE reduce-scatter (or all-reduce, for whole parameters) per
-    compatible group, then hand each bucket its rows."""
-    for members in _fusable(buckets, lambda b: b.reduce_dtype):
-        head = members[0]
-        if len(members) == 1:
-            head.start_reduce(async_op=False)
-            head.finish_reduce()
-            continue
+class _Reduction:
+    """One gradient reduction of buckets side by side (one bucket, or a fused group): a
+    reduce-scatter over the shard group (then an all-reduce over the replicas when hybrid), or an
+    all-reduce over data parallel for whole (below-threshold) parameters; ``finish`` waits and hands
+    each bucket its rows."""
+
+    def __init__(self, members: list[Bucket], async_op: bool):
+        head = self.head = members[0]
+        self.members = members
         total = sum(b.L for b in members)
         if head.sharded:
             send = POOL.take(head.S * total, head.reduce_dtype, head.device)
@@ -290,21 +266,36 @@ def reduce_fused(buckets: list[Bucket]) -> None:
             b.pack_grads(blocks[:, offset : offset + b.L])
             offset += b.L
         if head.sharded:
-            out = torch.empty(total, dtype=head.reduce_dtype, device=head.device)
-            reduce_scatter(out, send, head.mesh.shard_group, async_op=False)
-            POOL.give(send)
-            if head.mesh.replicas > 1:
-                dist.all_reduce(out, group=head.mesh.replicate_group)
+            self.out = torch.empty(total, dtype=head.reduce_dtype, device=head.device)
+            self.work = reduce_scatter(self.out, send, head.mesh.shard_group, async_op)
+            self.send = send
         else:
-            out = send
-            dist.all_reduce(send, group=head.mesh.dp_group)
+            self.out = send
+            self.work = dist.all_reduce(send, group=head.mesh.dp_group, async_op=async_op)
+            self.send = None
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        if self.send is not None:
+            POOL.give(self.send)
+        head, out = self.head, self.out
+        hybrid = head.sharded and head.mesh.replicas > 1
+        if hybrid:
+            dist.all_reduce(out, group=head.mesh.replicate_group)
+        # volume in the usual convention: reduce-scatter the full buffer, all-reduce twice it
+        element = out.element_size()
         offset = 0
-        for b in members:
-            b.comm_bytes += head.S * b.L * out.element_size() * (1 if head.sharded else 2)
-            if head.sharded and head.mesh.replicas > 1:
-                b.comm_bytes += 2 * b.L * out.element_size()
+        for b in self.members:
+            b.comm_bytes += head.S * b.L * element * (1 if head.sharded else 2) + (2 * b.L * element if hybrid else 0)
             b.accept_grads(out[offset : offset + b.L])
             offset += b.L
+
+
+def reduce_fused(buckets: list[Bucket]) -> None:
+    """Reduce several buckets now, as ONE collective per compatible group."""
+    for members in _fusable(buckets, lambda b: b.reduce_dtype):
+        _Reduction(members, async_op=False).finish()
 
 
 def make_buckets(params: list[HSDPParam], mesh: HSDPMesh, bucket_bytes: int | None, grad_scale: float) -> list[Bucket]:
