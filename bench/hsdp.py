@@ -19,9 +19,12 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
   ``-async`` rows: the same with ``comm_async=True`` (reductions overlap the rest of backward);
   on gloo HSDP reduce-scatters with an all-to-all and a local sum (``_bucket.reduce_scatter``: gloo's
-  ``reduce_scatter_tensor`` is a clone + all-reduce + copy); the ``-gloo-rs`` row uses gloo's own
-  reduce-scatter, as Megatron does, to show what that choice is worth; every HSDP contender has its
-  own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes are printed under the table;
+  ``reduce_scatter_tensor`` is a clone + all-reduce + copy) and all-gathers with an all-to-all of the
+  repeated shard (``_bucket.all_gather``: gloo's all-gather is a ring); the ``-gloo`` rows use gloo's
+  own reduce-scatter and all-gather, as Megatron and FSDP2 do, to show what that choice is worth; at
+  level 3 HSDP keeps the root and the last layer gathered from forward to backward (as FSDP2 keeps its
+  root), the ``-reshard-all`` row frees every unit after forward (``set_reshard_after_forward(True)``);
+  every HSDP contender has its own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes are printed under the table;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -95,9 +98,13 @@ CONTENDERS = {
     "hsdp-level1-async": ("hsdp", "level1", 0),
     "hsdp-level2-async": ("hsdp", "level2", 0),
     "hsdp-level3-async": ("hsdp", "level3", 0),
-    # gloo's own reduce_scatter_tensor (a clone + all-reduce + copy) instead of HSDP's all-to-all one:
-    # the same collectives as megatron-distopt, to show what the all-to-all is worth
-    "hsdp-level1-gloo-rs": ("hsdp", "level1", 0),
+    # gloo's own reduce_scatter_tensor (a clone + all-reduce + copy) and all_gather_into_tensor (a
+    # ring) instead of HSDP's all-to-all ones: the collectives of megatron-distopt (level 1) and of
+    # FSDP2 (level 3), to show what the all-to-alls are worth
+    "hsdp-level1-gloo": ("hsdp", "level1", 0),
+    "hsdp-level3-gloo": ("hsdp", "level3", 0),
+    # every unit freed after forward and gathered again for backward: exactly 3Ψ
+    "hsdp-level3-reshard-all": ("hsdp", "level3", 0),
     "fsdp2": ("fsdp2", "zero3", None),
 }
 ZERO_STAGE = {"ddp": "ddp", "zero1": "zero1", "level1": "zero1", "level2": "zero2", "level3": "zero3", "zero3": "zero3"}
@@ -115,12 +122,12 @@ def theory_comm_bytes(stage: str, psi: int) -> int:
     return (3 if stage == "zero3" else 2) * psi * 4
 
 
-def configured_theory(stage: str, psi: int, n: int, psi_whole: int, psi_root_fsdp2: int) -> tuple[float, int]:
+def configured_theory(stage: str, psi: int, n: int, psi_whole: int, psi_gathered_once: int) -> tuple[float, int]:
     """The theory for the layout as configured: parameters kept whole (HSDP's threshold) hold all 16
-    bytes on every rank and are all-reduced (2 x 4 bytes); FSDP2 does not reshard its root group
-    after forward, so the root's parameters are gathered once, not twice."""
+    bytes on every rank and are all-reduced (2 x 4 bytes); units not resharded after forward (FSDP2's
+    root group; HSDP level 3's root and last layer) are gathered once per step, not twice."""
     state = theory_state_bytes(stage, psi - psi_whole, n) + 16 * psi_whole
-    comm = theory_comm_bytes(stage, psi - psi_whole) + 8 * psi_whole - 4 * psi_root_fsdp2
+    comm = theory_comm_bytes(stage, psi - psi_whole) + 8 * psi_whole - 4 * psi_gathered_once
     return state, comm
 
 
@@ -368,6 +375,8 @@ class Contender:
             for layer in model.decoder.layers:
                 hsdp(layer, **kwargs)
             self.model = hsdp(model, **kwargs)
+            if name.endswith("-reshard-all"):
+                self.model.set_reshard_after_forward(True)
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, foreach=True)
         else:
             from torch.distributed.device_mesh import init_device_mesh
@@ -399,7 +408,8 @@ class Contender:
         if self.kind == "hsdp":
             from hyper_adaptor.parallel.hsdp import _bucket
 
-            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = not self.name.endswith("-gloo-rs")
+            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = not self.name.endswith("-gloo")
+            _bucket.GLOO_ALL_GATHER_AS_ALL_TO_ALL = not self.name.endswith("-gloo")
             _bucket.POOL = self.pool
         start = time.perf_counter()
         if self.kind == "megatron":
@@ -431,15 +441,20 @@ class Contender:
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def layout(self) -> dict:
-        """Parameters kept whole on every rank (HSDP's threshold) and, for FSDP2, those of the root
-        group (not resharded after forward, so not gathered again for backward)."""
-        whole = root = 0
+        """Parameters kept whole on every rank (HSDP's threshold) and those of units not resharded
+        after forward, so not gathered again for backward (FSDP2's root group; HSDP level 3's root
+        and last layer)."""
+        whole = once = 0
         if self.kind == "hsdp":
             whole = sum(p._hsdp_param.full.numel() for p in self.model.parameters() if not p._hsdp_param.sharded)
+            if self.level == "level3":
+                for state in (self.model._hsdp_state, *self.model._hsdp_state._nested_states()):
+                    if state.reshard_after_forward is False:
+                        once += sum(hp.full.numel() for hp in state.params if hp.sharded)
         if self.kind == "fsdp2":
             for group in self.model._get_fsdp_state()._fsdp_param_groups:
-                root += sum(fp.sharded_param.numel() for fp in group.fsdp_params)
-        return {"psi_whole": whole, "psi_root_fsdp2": root}
+                once += sum(fp.sharded_param.numel() for fp in group.fsdp_params)
+        return {"psi_whole": whole, "psi_gathered_once": once}
 
     def model_state(self) -> dict:
         if self.kind == "megatron":
@@ -586,7 +601,7 @@ def run(args) -> dict:
             "state_bytes_rank0": state[0], "state_bytes_max": max(total),
             "state_theory_bytes": theory_state_bytes(stage, psi, n),
             "state_vs_theory": max(total) / theory_state_bytes(stage, psi, n),
-            "psi_whole": layout["psi_whole"], "psi_root_fsdp2": layout["psi_root_fsdp2"],
+            "psi_whole": layout["psi_whole"], "psi_gathered_once": layout["psi_gathered_once"],
             "state_theory_configured_bytes": state_configured,
             "state_vs_configured_theory": max(total) / state_configured,
             "comm_bytes_rank0": comm[0], "comm_bytes_max": max(comm), "comm_ops_rank0": r0["comm"][name]["ops"],
@@ -650,7 +665,7 @@ def table(result: dict) -> str:
             f"{r['step_vs_megatron_distopt']:.2f}", f"{r['step_vs_fsdp2']:.2f}",
         )) + " |")
     whole = ", ".join(f"{w:,}" for w in sorted({r["psi_whole"] for r in result["rows"] if r["psi_whole"]}))
-    root = ", ".join(f"{x:,}" for x in sorted({r["psi_root_fsdp2"] for r in result["rows"] if r["psi_root_fsdp2"]}))
+    once = {r["contender"]: r["psi_gathered_once"] for r in result["rows"] if r["psi_gathered_once"]}
     notes = [
         "",
         f"Ψ = {psi:,} parameters ({_mib(4 * psi)} MiB fp32), N = {n}. Theory (fp32 Adam, 16 B/param), MiB: "
@@ -660,8 +675,9 @@ def table(result: dict) -> str:
         "mixed-precision forms 16Ψ, 4Ψ+12Ψ/N, 2Ψ+14Ψ/N, 16Ψ/N (2 B param + 2 B grad + 12 B fp32 master and "
         "moments) with 4 B param and grad and no separate master: ZeRO-1 keeps 4+4 B whole, ZeRO-2 4 B.",
         f"As configured: HSDP threshold 64 KB keeps {whole or 'no'} parameters whole (16 B each on every rank, "
-        f"all-reduced: 8 B); FSDP2's root group ({root} parameters) is not resharded after forward, so it is "
-        "gathered once per step, not twice.",
+        "all-reduced: 8 B); units not resharded after forward are gathered once per step, not twice "
+        "(FSDP2: its root group; HSDP level 3: the root and the last layer), parameters: "
+        + ", ".join(f"{name} {count:,}" for name, count in once.items()) + ".",
         f"step ms: median over {result['steps']} interleaved steps after {result['warmup']} warm-up, slowest rank; "
         f"fwd+bwd / opt: rank 0's medians of forward+backward(+gradient reduction) and optimizer.step().",
         "HSDP's CPU buffer pool (its largest transient communication buffers, kept between steps as a "

@@ -206,14 +206,52 @@ def extras(rank: int, world_size: int) -> dict:
     out["clip"] = _clip_matches_reference()
     out["bf16"] = _bf16_compute()
     out["offload"] = _offload()
-    out["reduce_scatter"] = _reduce_scatter_paths()
+    out["collectives"] = _collective_paths()
+    out["reshard_schedule"] = _reshard_schedule()
     return out
 
 
-def _reduce_scatter_paths() -> dict:
-    """HSDP's reduce-scatter on gloo (all-to-all + local sum) and gloo's own, sync and async, over
-    the world and over a 2-rank subgroup, fp32 and bf16: this rank's chunk of the sum over the group,
-    against the sum computed locally from every member's (seeded) input. Also which collective ran."""
+def _reshard_schedule() -> dict:
+    """Level 3: which units hold their full parameters between forward and backward (default: the
+    root and the last block; ``set_reshard_after_forward(True)``: none), after backward (none), after a
+    forward without grad (none); the bytes gathered per step either way; parity of both with the
+    reference."""
+    ref = reference()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def held(model) -> dict:
+        units = {"root": model, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)}}
+        return {name: any(hp.sharded and hp.full.untyped_storage().size() > 0 for hp in unit._hsdp_state.params)
+                for name, unit in units.items()}
+
+    out = {}
+    for variant in ("default", "reshard-all"):
+        model = wrap(make_model(), optimizer_level="level3", shard_size=4, threshold=THRESHOLD_KB)
+        if variant == "reshard-all":
+            model.set_reshard_after_forward(True)
+        problems = compare(ref, train(model), full_params(model))
+        mine = batch(0).chunk(world)[rank]
+        with torch.no_grad():
+            loss_of(model, mine)
+        after_no_grad = held(model)
+        before = model.hsdp_comm_bytes()
+        loss = loss_of(model, mine)
+        between = held(model)
+        loss.backward()
+        out[variant] = {"problems": problems, "after_no_grad": after_no_grad, "between": between,
+                        "after_backward": held(model), "step_bytes": model.hsdp_comm_bytes() - before}
+    try:
+        model.set_reshard_after_forward("yes")
+    except ValueError as exc:
+        out["bad_value"] = str(exc)
+    return out
+
+
+def _collective_paths() -> dict:
+    """HSDP's reduce-scatter and all-gather on gloo (each as an all-to-all) and gloo's own, sync and
+    async, over the world and over a 2-rank subgroup, fp32 and bf16: the reduce-scatter gives this
+    rank's chunk of the sum over the group, the all-gather every member's input in rank order, both
+    against what is computed locally from every member's (seeded) input. Also which collective ran."""
     from hyper_adaptor.parallel.hsdp import _bucket
 
     rank = dist.get_rank()
@@ -221,7 +259,7 @@ def _reduce_scatter_paths() -> dict:
     groups = {"world": (None, list(range(dist.get_world_size())))}
     if rank in (0, 1):
         groups["pair"] = (pair, [0, 1])
-    calls = {"all_to_all_single": 0, "reduce_scatter_tensor": 0}
+    calls = {"all_to_all_single": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
     originals = {name: getattr(dist, name) for name in calls}
 
     def counting(name):
@@ -230,35 +268,48 @@ def _reduce_scatter_paths() -> dict:
             return originals[name](*args, **kwargs)
         return call
 
+    def reduce_scatter(inputs, me, group, async_op):
+        out = torch.empty(7, dtype=inputs[me].dtype)
+        work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op)
+        return out, work, torch.stack([t.float() for t in inputs]).sum(0)[me * 7 : (me + 1) * 7]
+
+    def all_gather(inputs, me, group, async_op):
+        shard = inputs[me][:7].clone()
+        out = torch.empty(7 * len(inputs), dtype=shard.dtype)
+        work = _bucket.all_gather(out, shard, group, async_op)
+        return out, work, torch.cat([t[:7].float() for t in inputs])
+
     problems, used = [], {}
-    keep = _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL
+    flags = ("GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL", "GLOO_ALL_GATHER_AS_ALL_TO_ALL")
+    keep = {flag: getattr(_bucket, flag) for flag in flags}
     try:
         for name in calls:
             setattr(dist, name, counting(name))
-        for as_all_to_all in (True, False):
-            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = as_all_to_all
-            for gname, (group, members) in groups.items():
-                S, me = len(members), members.index(rank)
-                for dtype in (torch.float32, torch.bfloat16):
-                    for async_op in (False, True):
-                        inputs = [torch.randn(S * 7, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
-                                  for m in members]
-                        out = torch.empty(7, dtype=dtype)
-                        before = dict(calls)
-                        work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op)
-                        if async_op:
-                            work.wait()
-                        want = torch.stack([t.float() for t in inputs]).sum(0)[me * 7 : (me + 1) * 7]
-                        tol = 1e-6 if dtype == torch.float32 else 2e-2
-                        err = (out.float() - want).abs().max().item()
-                        key = f"{'a2a' if as_all_to_all else 'gloo'}-{gname}-{dtype}-{'async' if async_op else 'sync'}"
-                        if err > tol * max(1.0, want.abs().max().item()):
-                            problems.append(f"{key}: max error {err}")
-                        used[key] = [n for n in calls if calls[n] > before[n]]
+        for op_name, op, flag in (("rs", reduce_scatter, flags[0]), ("ag", all_gather, flags[1])):
+            for as_all_to_all in (True, False):
+                setattr(_bucket, flag, as_all_to_all)
+                for gname, (group, members) in groups.items():
+                    S, me = len(members), members.index(rank)
+                    for dtype in (torch.float32, torch.bfloat16):
+                        for async_op in (False, True):
+                            inputs = [torch.randn(S * 7, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
+                                      for m in members]
+                            before = dict(calls)
+                            out, work, want = op(inputs, me, group, async_op)
+                            if async_op:
+                                work.wait()
+                            tol = 1e-6 if dtype == torch.float32 else 2e-2
+                            err = (out.float() - want).abs().max().item()
+                            key = (f"{op_name}-{'a2a' if as_all_to_all else 'gloo'}-{gname}-{dtype}-"
+                                   f"{'async' if async_op else 'sync'}")
+                            if err > tol * max(1.0, want.abs().max().item()):
+                                problems.append(f"{key}: max error {err}")
+                            used[key] = [n for n in calls if calls[n] > before[n]]
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = keep
+        for flag, value in keep.items():
+            setattr(_bucket, flag, value)
     return {"problems": problems, "used": used}
 
 

@@ -89,9 +89,26 @@ def test_offload_matches_and_keeps_shards_and_optimizer_state_on_the_host(extras
     assert extras["offload"][level]["devices"] == ["cpu"]
 
 
-def test_gloo_reduce_scatter_as_all_to_all_matches_the_sum(extras):
-    r = extras["reduce_scatter"]
+def test_gloo_reduce_scatter_and_all_gather_as_all_to_all_match(extras):
+    r = extras["collectives"]
     assert r["problems"] == []
-    assert len(r["used"]) == 16  # 2 paths x 2 groups x 2 dtypes x sync/async (rank 0 is in both groups)
+    # 2 ops x 2 paths x 2 groups x 2 dtypes x sync/async (rank 0 is in both groups)
+    assert len(r["used"]) == 32
+    native = {"rs": ["reduce_scatter_tensor"], "ag": ["all_gather_into_tensor"]}
     for key, used in r["used"].items():
-        assert used == (["all_to_all_single"] if key.startswith("a2a") else ["reduce_scatter_tensor"]), key
+        op, path = key.split("-")[:2]
+        assert used == (["all_to_all_single"] if path == "a2a" else native[op]), key
+
+
+def test_level3_keeps_root_and_last_unit_gathered_until_backward(extras):
+    r = extras["reshard_schedule"]
+    default, everything = r["default"], r["reshard-all"]
+    assert default["problems"] == [] and everything["problems"] == []
+    assert default["between"] == {"root": True, "blocks.0": False, "blocks.1": False, "blocks.2": True}
+    assert everything["between"] == {"root": False, "blocks.0": False, "blocks.1": False, "blocks.2": False}
+    for variant in (default, everything):
+        assert not any(variant["after_backward"].values())
+        assert not any(variant["after_no_grad"].values())
+    # the two kept units are not gathered a second time for backward: fewer bytes, never more
+    assert 0 < default["step_bytes"] < everything["step_bytes"]
+    assert "reshard_after_forward must be a bool" in r["bad_value"]

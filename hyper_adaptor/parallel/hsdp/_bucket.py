@@ -25,6 +25,13 @@ from hyper_adaptor.parallel.hsdp._param import HSDPParam
 # HCCL) have a native reduce-scatter and keep it. Module-level so that a benchmark can compare both.
 GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = True
 
+# Likewise gloo's all-gather is a ring: S-1 steps, each waiting for the neighbour's previous one. On a
+# host with more ranks than cores every step waits for a rank to be scheduled again; an all-to-all of
+# the shard repeated S times moves the same bytes in one round of pairwise exchanges. Measured for
+# 13 MB over 4 gloo ranks on the 2-core CI box, bare: 15 ms (the repeat copy included) against 17.5 ms;
+# inside a level-3 step the difference is larger (bench/hsdp.py, ``-gloo-ag`` row).
+GLOO_ALL_GATHER_AS_ALL_TO_ALL = True
+
 
 class HostBufferPool:
     """Keeps the large transient communication buffers of HSDP on the CPU between uses.
@@ -75,6 +82,10 @@ def host_buffer_pool() -> HostBufferPool:
     return POOL
 
 
+def _on_gloo_cpu(tensor: torch.Tensor, group) -> bool:
+    return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+
+
 class _SummedAllToAll:
     """Work handle of a reduce-scatter done as an all-to-all: waiting sums the received chunks."""
 
@@ -87,15 +98,15 @@ class _SummedAllToAll:
             self.work = None
         if self.recv is not None:
             torch.sum(self.recv.view(self.S, -1), dim=0, out=self.out)
+            POOL.give(self.recv)
             self.recv = None
 
 
 def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool):
     """``out`` := this rank's chunk of the sum over ``group`` of ``send`` (S chunks, rank-major);
     returns a handle to wait on when ``async_op``."""
-    if (GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL and send.device.type == "cpu"
-            and "gloo" in str(dist.get_backend(group))):
-        recv = torch.empty_like(send)
+    if GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL and _on_gloo_cpu(send, group):
+        recv = POOL.take(send.numel(), send.dtype, send.device)
         work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
         handle = _SummedAllToAll(work, recv, out, send.numel() // out.numel())
         if async_op:
@@ -103,6 +114,37 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool)
         handle.wait()
         return None
     return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
+
+
+class _RepeatedAllToAll:
+    """Work handle of an all-gather done as an all-to-all: waiting hands the send buffer back."""
+
+    def __init__(self, work, send: torch.Tensor):
+        self.work, self.send = work, send
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.send is not None:
+            POOL.give(self.send)
+            self.send = None
+
+
+def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+    """``recv`` (S chunks, rank-major) := every member's ``send``; returns a handle to wait on when
+    ``async_op``."""
+    if GLOO_ALL_GATHER_AS_ALL_TO_ALL and _on_gloo_cpu(send, group):
+        S = recv.numel() // send.numel()
+        repeated = POOL.take(recv.numel(), send.dtype, send.device)
+        repeated.view(S, -1).copy_(send.expand(S, -1))
+        work = dist.all_to_all_single(recv, repeated, group=group, async_op=async_op)
+        handle = _RepeatedAllToAll(work, repeated)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+    return dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
 
 class Bucket:
@@ -224,7 +266,7 @@ def _start_gathering(members: list[Bucket], async_op: bool) -> None:
         b.pack_params(send[offset : offset + b.L])
         offset += b.L
     recv = POOL.take(head.S * total, head.compute_dtype, head.device)
-    work = dist.all_gather_into_tensor(recv, send, group=head.mesh.shard_group, async_op=async_op)
+    work = all_gather(recv, send, head.mesh.shard_group, async_op)
     shared = _Shared(work, recv, readers=len(members))
     blocks = recv.view(head.S, total)
     offset = 0

@@ -86,6 +86,9 @@ class HSDPState:
         self.forward_prefetch: list[HSDPState] = []
         self.backward_prefetch: list[HSDPState] = []
         self.is_root = False
+        # Level 3: free the full parameters after this unit's forward (True), or keep them until its
+        # backward is done (False); None: the default rule of ``_default_schedule``.
+        self.reshard_after_forward: bool | None = None
         self._nested: list | None = None
         self._in_backward = False
         self._next_launch = 0
@@ -154,8 +157,8 @@ class HSDPState:
             p.register_sharded()
         if self._in_backward:
             return None  # a recomputation inside backward: the parameters are still needed
-        if self.config.reshard_after_forward:
-            self.reshard()
+        if self.config.reshard_after_forward and (self.reshard_after_forward is not False or not torch.is_grad_enabled()):
+            self.reshard()  # (no backward will follow a forward without grad: nothing to keep for)
         if torch.is_grad_enabled():
             tensors, _ = tree_flatten(output)
             for t in tensors:
@@ -172,7 +175,20 @@ class HSDPState:
             self._nested = [sub._hsdp_state for sub in self.module.modules()
                             if sub is not self.module and getattr(sub, "_hsdp_state", None) is not None]
             self._default_prefetch()
+            self._default_keep()
         return self._nested
+
+    def _default_keep(self) -> None:
+        """Level 3, where ``set_reshard_after_forward`` was not called: the root and the last unit
+        (module order) stay gathered from their forward until their backward is done. Backward
+        begins with exactly these two (the root's output layer, then the last unit), so freeing
+        them after forward only to gather them again a moment later costs two blocking all-gathers
+        and saves no peak memory: the backward prefetch would hold the same two units at that point.
+        FSDP2 keeps its root the same way; torchtitan also keeps the last block."""
+        order = [self, *self._nested]
+        for state in order:
+            if state.reshard_after_forward is None:
+                state.reshard_after_forward = state is not self and state is not order[-1]
 
     def _default_prefetch(self) -> None:
         """Level 3, when no prefetch was set: each unit starts the next one's all-gather (module
@@ -282,6 +298,12 @@ def _end_of_backward() -> None:
         reduce_fused(deferred)
     for state in states:
         state.finish_backward()
+    # A unit kept gathered after forward that got no gradient never joined this backward: free it too.
+    for state in states:
+        if state.is_root:
+            for sub in state._nested_states():
+                if sub.config.reshard_after_forward and not sub.reshard_after_forward:
+                    sub.reshard()
 
 
 def sync_all() -> None:

@@ -54,6 +54,16 @@ class HSDPModule:
         """Start gathering ``cells``' parameters when this module's backward starts."""
         self._hsdp_state.backward_prefetch = _states_of(cells, "set_backward_prefetch_cells")
 
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Level 3: whether this module (and, with ``recurse``, every wrapped submodule) frees its
+        full parameters after forward (True) or keeps them until its backward is done (False). Not
+        called: every unit reshards except the root and the last unit (see the HSDP docs).
+        Levels 1/2 never free the full parameters; there it has no effect."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"hsdp: reshard_after_forward must be a bool; got {reshard_after_forward!r}")
+        for state in self._hsdp_states() if recurse else [self._hsdp_state]:
+            state.reshard_after_forward = reshard_after_forward
+
     def unshard(self) -> None:
         self._hsdp_state.unshard()
 
