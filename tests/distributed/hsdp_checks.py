@@ -208,6 +208,52 @@ def extras(rank: int, world_size: int) -> dict:
     out["offload"] = _offload()
     out["collectives"] = _collective_paths()
     out["reshard_schedule"] = _reshard_schedule()
+    out["in_flight"] = _reductions_in_flight()
+    return out
+
+
+def _reductions_in_flight() -> dict:
+    """Per level and comm_async (one bucket per parameter, so there are many reductions): the most
+    gradient reductions started and not yet finished at any moment of a backward, and how many
+    overlapped backward compute (another gradient was accumulated between their start and finish).
+    comm_async=False keeps at most one in flight, each overlapping the next gradients; comm_async=True
+    lets them all run until the end of backward."""
+    from hyper_adaptor.parallel.hsdp import _bucket, _state
+
+    live = {"now": 0, "most": 0, "overlapped": 0, "grads": 0}
+    original_init, original_finish = _bucket._Reduction.__init__, _bucket._Reduction.finish
+    original_accumulate = _state.HSDPState._after_accumulate
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self._grads_at_start = live["grads"]
+        live["now"] += 1
+        live["most"] = max(live["most"], live["now"])
+
+    def finish(self):
+        live["now"] -= 1
+        live["overlapped"] += live["grads"] > self._grads_at_start
+        original_finish(self)
+
+    def accumulate(self, full):
+        live["grads"] += 1
+        original_accumulate(self, full)
+
+    out = {}
+    _bucket._Reduction.__init__, _bucket._Reduction.finish = init, finish
+    _state.HSDPState._after_accumulate = accumulate  # (bound by the hooks at wrap time, below)
+    try:
+        for level in ("level2", "level3"):
+            for comm_async in (False, True):
+                model = wrap(make_model(), optimizer_level=level, shard_size=4, threshold=THRESHOLD_KB,
+                             comm_async=comm_async, comm_fusion=False)
+                live.update(most=0, overlapped=0)
+                loss_of(model, batch(0).chunk(dist.get_world_size())[dist.get_rank()]).backward()
+                out[f"{level}-{'async' if comm_async else 'sync'}"] = {
+                    "most": live["most"], "left": live["now"], "overlapped": live["overlapped"]}
+    finally:
+        _bucket._Reduction.__init__, _bucket._Reduction.finish = original_init, original_finish
+        _state.HSDPState._after_accumulate = original_accumulate
     return out
 
 

@@ -112,3 +112,10 @@ def test_level3_keeps_root_and_last_unit_gathered_until_backward(extras):
     # the two kept units are not gathered a second time for backward: fewer bytes, never more
     assert 0 < default["step_bytes"] < everything["step_bytes"]
     assert "reshard_after_forward must be a bool" in r["bad_value"]
+
+
+@pytest.mark.parametrize("level", ["level2", "level3"])
+def test_sync_reduction_keeps_one_in_flight_async_keeps_all(extras, level):
+    sync, overlapped = extras["in_flight"][f"{level}-sync"], extras["in_flight"][f"{level}-async"]
+    assert sync["most"] == 1 and sync["left"] == 0 and sync["overlapped"] >= 3
+    assert overlapped["most"] > 1 and overlapped["left"] == 0

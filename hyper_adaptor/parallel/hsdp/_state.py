@@ -29,7 +29,7 @@ from hyper_adaptor.parallel.hsdp._param import HSDPParam
 
 # The states taking part in the backward pass now running (one list per process: autograd runs one
 # backward at a time on the thread that started it).
-_BACKWARD: dict = {"queued": False, "states": []}
+_BACKWARD: dict = {"queued": False, "states": [], "in_flight": None}
 ALL_STATES: "weakref.WeakSet[HSDPState]" = weakref.WeakSet()
 
 
@@ -242,11 +242,16 @@ class HSDPState:
             self._next_launch += 1
             if not wanted or not bucket.sharded:
                 continue  # whole (below-threshold) parameters: all-reduced together at the end
-            bucket.start_reduce(async_op=self.config.comm_async)
-            if self.config.comm_async:
-                self._pending_reduce.append(bucket)
-            else:
-                bucket.finish_reduce()
+            if not self.config.comm_async:
+                # At most one reduction in flight: the previous one (of any unit) is finished, and its
+                # buffers released, before this one is packed. It ran while this bucket's gradients
+                # were computed; waiting on it in place instead made every unit's backward a barrier
+                # of all ranks. comm_async=True keeps every reduction in flight until the end of
+                # backward (more overlap, and the send buffers of all of them alive at once).
+                _wait_in_flight()
+                _BACKWARD["in_flight"] = self
+            bucket.start_reduce(async_op=True)
+            self._pending_reduce.append(bucket)
 
     def wait_reduce(self) -> None:
         for bucket in self._pending_reduce:
@@ -277,8 +282,15 @@ class HSDPState:
         return sum(b.comm_bytes for b in self.buckets)
 
 
+def _wait_in_flight() -> None:
+    state, _BACKWARD["in_flight"] = _BACKWARD["in_flight"], None
+    if state is not None:
+        state.wait_reduce()
+
+
 def _end_of_backward() -> None:
     states, _BACKWARD["states"], _BACKWARD["queued"] = _BACKWARD["states"], [], False
+    _wait_in_flight()
     # Level 1, synchronous: the full gradients stay anyway and a blocking reduction per bucket would
     # not overlap with anything, so every unit's buckets are reduced here in one collective (per
     # compatible group), in the order the units joined backward (the same on every rank).
