@@ -38,8 +38,10 @@ def make_wrapper_class(hsdp_kwargs: dict) -> type:
                 group = pg_collection.dp_cp
             else:
                 group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-            # One HSDP unit per transformer layer (level 3 then holds one layer's full parameters
-            # at a time), and the chunk root for the rest (embeddings, final norm, output layer).
+            # One HSDP unit per transformer layer (level 3 then holds a layer's full parameters
+            # while it runs, plus the next one prefetched), and the chunk root for the rest
+            # (embeddings, final norm, output layer). The root and the last layer stay gathered
+            # from forward to backward (the engine's default reshard schedule).
             for layer in [m for m in module.modules() if isinstance(m, TransformerLayer)]:
                 hsdp(layer, group=group, **hsdp_kwargs)
             hsdp(module, group=group, **hsdp_kwargs)
