@@ -24,7 +24,8 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   own reduce-scatter and all-gather, as Megatron and FSDP2 do, to show what that choice is worth; at
   level 3 HSDP keeps the root and the last layer gathered from forward to backward (as FSDP2 keeps its
   root), the ``-reshard-all`` row frees every unit after forward (``set_reshard_after_forward(True)``);
-  every HSDP contender has its own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes are printed under the table;
+  every HSDP contender has its own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes
+  are printed under the table;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 

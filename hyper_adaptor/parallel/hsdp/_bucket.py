@@ -28,8 +28,8 @@ GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = True
 # Likewise gloo's all-gather is a ring: S-1 steps, each waiting for the neighbour's previous one. On a
 # host with more ranks than cores every step waits for a rank to be scheduled again; an all-to-all of
 # the shard repeated S times moves the same bytes in one round of pairwise exchanges. Measured for
-# 13 MB over 4 gloo ranks on the 2-core CI box, bare: 15 ms (the repeat copy included) against 17.5 ms;
-# inside a level-3 step the difference is larger (bench/hsdp.py, ``-gloo-ag`` row).
+# 13 MB over 4 gloo ranks on the 2-core CI box, bare: 12-15 ms (the repeat copy included) against
+# 16-22 ms; inside a level-3 step the difference is larger (bench/hsdp.py, ``-gloo`` rows).
 GLOO_ALL_GATHER_AS_ALL_TO_ALL = True
 
 
@@ -86,20 +86,29 @@ def _on_gloo_cpu(tensor: torch.Tensor, group) -> bool:
     return tensor.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
 
 
-class _SummedAllToAll:
-    """Work handle of a reduce-scatter done as an all-to-all: waiting sums the received chunks."""
+class _AllToAllWork:
+    """Work handle of a collective done as an all-to-all: waiting runs ``then`` once, after the
+    transfer (sum the received chunks, hand a pooled buffer back)."""
 
-    def __init__(self, work, recv: torch.Tensor, out: torch.Tensor, S: int):
-        self.work, self.recv, self.out, self.S = work, recv, out, S
+    def __init__(self, work, then):
+        self.work, self.then = work, then
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.recv is not None:
-            torch.sum(self.recv.view(self.S, -1), dim=0, out=self.out)
-            POOL.give(self.recv)
-            self.recv = None
+        if self.then is not None:
+            then, self.then = self.then, None
+            then()
+
+
+def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, then):
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+    handle = _AllToAllWork(work, then)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool):
@@ -107,28 +116,13 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool)
     returns a handle to wait on when ``async_op``."""
     if GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL and _on_gloo_cpu(send, group):
         recv = POOL.take(send.numel(), send.dtype, send.device)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
-        handle = _SummedAllToAll(work, recv, out, send.numel() // out.numel())
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+
+        def sum_chunks():
+            torch.sum(recv.view(send.numel() // out.numel(), -1), dim=0, out=out)
+            POOL.give(recv)
+
+        return _all_to_all(recv, send, group, async_op, sum_chunks)
     return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
-
-
-class _RepeatedAllToAll:
-    """Work handle of an all-gather done as an all-to-all: waiting hands the send buffer back."""
-
-    def __init__(self, work, send: torch.Tensor):
-        self.work, self.send = work, send
-
-    def wait(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        if self.send is not None:
-            POOL.give(self.send)
-            self.send = None
 
 
 def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
@@ -138,12 +132,7 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
         S = recv.numel() // send.numel()
         repeated = POOL.take(recv.numel(), send.dtype, send.device)
         repeated.view(S, -1).copy_(send.expand(S, -1))
-        work = dist.all_to_all_single(recv, repeated, group=group, async_op=async_op)
-        handle = _RepeatedAllToAll(work, repeated)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        return _all_to_all(recv, repeated, group, async_op, lambda: POOL.give(repeated))
     return dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
 

@@ -87,7 +87,7 @@ class HSDPState:
         self.backward_prefetch: list[HSDPState] = []
         self.is_root = False
         # Level 3: free the full parameters after this unit's forward (True), or keep them until its
-        # backward is done (False); None: the default rule of ``_default_schedule``.
+        # backward is done (False); None: the default rule of ``_default_keep``.
         self.reshard_after_forward: bool | None = None
         self._nested: list | None = None
         self._in_backward = False
@@ -310,11 +310,12 @@ def _end_of_backward() -> None:
         reduce_fused(deferred)
     for state in states:
         state.finish_backward()
-    # A unit kept gathered after forward that got no gradient never joined this backward: free it too.
+    # A unit kept gathered after forward that got no gradient never joined this backward (so
+    # finish_backward did not free it): free it too.
     for state in states:
         if state.is_root:
             for sub in state._nested_states():
-                if sub.config.reshard_after_forward and not sub.reshard_after_forward:
+                if sub.config.reshard_after_forward and sub.reshard_after_forward is False and sub not in states:
                     sub.reshard()
 
 
