@@ -9,6 +9,7 @@ PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 MCORE_SPEC  ?= megatron-core==0.19.2
+MCORE_RELEASES ?= 0.19.0 0.19.1 0.19.2
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.hyper_adaptor-installed
 PYTEST_ARGS ?=
@@ -22,9 +23,13 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet numpy
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pytest pytest-timeout
+	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -e .
+	# the other megatron-core releases the patches are checked against, unpacked by the tests as
+	# Megatron-LM checkouts (no pip metadata); 2-3 MB each
+	for v in $(MCORE_RELEASES); do $(PY) -m pip download --quiet --no-deps --ignore-requires-python \
+		"megatron-core==$$v" -d $(VENV)/megatron-releases; done
 	$(PY) -c "import torch, hyper_adaptor.megatron_adaptor, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 

@@ -6,9 +6,9 @@ Run from the repository root::
     python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 13 contenders)
     python bench/hsdp.py --quick    # smaller model, fewer steps (smoke run, under a minute)
 
-One gloo world of N = 4 ranks (tests/distributed/world.py), fp32, Adam (lr 1e-3, no weight decay, no
-clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tied embedding, built with
-``use_cpu_initialization`` from one seed) under every contender:
+One gloo world of N = 4 ranks (hyper_adaptor/testing/world.py), fp32, Adam (lr 1e-3, no weight decay,
+no clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tied embedding, built
+with ``use_cpu_initialization`` from one seed) under every contender:
 
 * ``megatron-ddp``: megatron.core DistributedDataParallel + get_megatron_optimizer
   (``use_distributed_optimizer=False``, ``grad_reduce_in_fp32=True``);
@@ -21,11 +21,13 @@ clipping), the same megatron-core GPTModel (local spec, TP = PP = 1, DP = 4, tie
   on gloo HSDP reduce-scatters with an all-to-all and a local sum (``_bucket.reduce_scatter``: gloo's
   ``reduce_scatter_tensor`` is a clone + all-reduce + copy) and all-gathers with an all-to-all of the
   repeated shard (``_bucket.all_gather``: gloo's all-gather is a ring); the ``-gloo`` rows use gloo's
-  own reduce-scatter and all-gather, as Megatron and FSDP2 do, to show what that choice is worth; at
-  level 3 HSDP keeps the root and the last layer gathered from forward to backward (as FSDP2 keeps its
-  root), the ``-reshard-all`` row frees every unit after forward (``set_reshard_after_forward(True)``);
-  every HSDP contender has its own CPU buffer pool (``_bucket.HostBufferPool``), whose reserved bytes
-  are printed under the table;
+  own reduce-scatter and all-gather (``hsdp(..., gloo_reduce_scatter_as_all_to_all=False,
+  gloo_all_gather_as_all_to_all=False)``), as Megatron and FSDP2 do, to show what that choice is
+  worth; at level 3 HSDP keeps the root and the last layer gathered from forward to backward (as FSDP2
+  keeps its root), the ``-reshard-all`` row frees every unit after forward
+  (``set_reshard_after_forward(True)``);
+  every HSDP contender has its own CPU buffer pool (``hsdp(..., buffer_pool=HostBufferPool())``), whose
+  reserved bytes are printed under the table;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -368,11 +370,13 @@ class Contender:
         if self.kind == "megatron":
             self._build_megatron(config, model)
         elif self.kind == "hsdp":
-            from hyper_adaptor.parallel.hsdp import _bucket, hsdp
+            from hyper_adaptor.parallel.hsdp import HostBufferPool, hsdp
 
-            self.pool = _bucket.HostBufferPool()  # its own, so that what it keeps is this contender's
+            self.pool = HostBufferPool()  # its own, so that what it keeps is this contender's
+            all_to_all = not name.endswith("-gloo")
             kwargs = dict(optimizer_level=self.level, threshold=self.threshold, comm_fusion=True,
-                          comm_async=name.endswith("-async"))
+                          comm_async=name.endswith("-async"), buffer_pool=self.pool,
+                          gloo_reduce_scatter_as_all_to_all=all_to_all, gloo_all_gather_as_all_to_all=all_to_all)
             for layer in model.decoder.layers:
                 hsdp(layer, **kwargs)
             self.model = hsdp(model, **kwargs)
@@ -406,12 +410,6 @@ class Contender:
     def step(self, batch: dict) -> tuple[float, float, float]:
         """One training step: (loss on this rank, seconds to the end of backward and gradient
         reduction, seconds of ``optimizer.step()``)."""
-        if self.kind == "hsdp":
-            from hyper_adaptor.parallel.hsdp import _bucket
-
-            _bucket.GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = not self.name.endswith("-gloo")
-            _bucket.GLOO_ALL_GATHER_AS_ALL_TO_ALL = not self.name.endswith("-gloo")
-            _bucket.POOL = self.pool
         start = time.perf_counter()
         if self.kind == "megatron":
             self.model.zero_grad_buffer()
@@ -566,7 +564,7 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
 # driver
 # --------------------------------------------------------------------------------------------------
 def run(args) -> dict:
-    from tests.distributed.world import run_world
+    from hyper_adaptor.testing import run_world
 
     dims = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq,
                 micro_batch=args.micro_batch)
@@ -633,7 +631,7 @@ def _machine_of_ranks() -> dict:
     from bench import _results as bench_results
 
     info = bench_results.machine()
-    info["torch_threads"] = 1  # per rank (tests/distributed/world.py sets OMP_NUM_THREADS=1)
+    info["torch_threads"] = 1  # per rank (hyper_adaptor/testing/world.py sets OMP_NUM_THREADS=1)
     info["ranks"] = WORLD
     return info
 

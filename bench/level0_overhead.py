@@ -10,7 +10,7 @@ Run from the repository root::
 What is compared
 ----------------
 Level 0 ("compat") is everything ``import hyper_adaptor.megatron_adaptor`` applies so that megatron
-runs unchanged here: on CPU the ``torch.cuda`` emulation of ``platform/cpu.py: torch_patches()``
+runs unchanged here: on CPU the ``torch.cuda`` emulation of ``patches/compat/torch_cpu.py: torch_patches()``
 plus ``patches/compat/megatron_core.py: patches()`` and ``patches/compat/megatron_training.py:
 patches()`` — the list ``features.compat.Compat.patches()`` returns — and the RNG log filter that
 ``Adaptor.bootstrap`` installs next to them. Some of those patches are *necessary*: without them
@@ -121,6 +121,7 @@ MINIMUM_TARGETS: tuple[str, ...] = (
     "torch.tensor",  # AssertionError: Torch not compiled with CUDA enabled (optimizer.py)
     "megatron.core.tensor_parallel.random._set_cuda_rng_state",  # each step queues 16 never-run lazy calls
     "megatron.core.optimizer.clip_grads.clip_grad_by_total_norm_fp32",  # AssertionError (clip_grads.py:174)
+    "torch.Tensor.type",  # the type-name view that wrap switches on (one patch since issue 13)
 )
 # Fingerprint of the level-0 target list the minimum was derived from; when level 0 changes the
 # run still measures (new patches count as overhead) but says that the minimum should be re-found.
@@ -146,7 +147,6 @@ def _bootstrap() -> None:
         )
     compat_imports.install()
     ha_platform.select_device_type("cpu")
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
 
@@ -170,34 +170,27 @@ def _manager(patches: list[Patch]) -> PatchManager:
 
 
 class Config:
-    """One patch set plus the non-patch part of level 0 (the RNG log filter) when it is level 0."""
+    """One patch set, applied for the duration of a with-block (the RNG module's warning filter is one
+    of level 0's patches like any other)."""
 
-    def __init__(self, name: str, patches: list[Patch], with_log_filter: bool):
-        self.name, self.patches, self.with_log_filter = name, patches, with_log_filter
+    def __init__(self, name: str, patches: list[Patch]):
+        self.name, self.patches = name, patches
         self.manager = _manager(patches)
 
     def __enter__(self):
         self.manager.apply()
-        if self.with_log_filter:
-            from hyper_adaptor.patches.compat import megatron_core
-
-            megatron_core.install_rng_log_filter()
         return self
 
     def __exit__(self, *exc):
-        if self.with_log_filter:
-            from hyper_adaptor.patches.compat import megatron_core
-
-            logging.getLogger(megatron_core.RNG_MODULE).removeFilter(megatron_core._HOST_FORK_FILTER)
         self.manager.undo()
         return False
 
 
 def _sink_fork_warning() -> None:
-    """Without level 0's log filter megatron warns on every RNG-tracker fork ("CPU RNG state changed
+    """Without level 0's logging patch megatron warns on every RNG-tracker fork ("CPU RNG state changed
     within GPU RNG context"); with it the record is dropped. Both configurations send that logger's
-    records to a NullHandler, so the warning costs the minimum about what the filter costs level 0
-    (a record is made in both), and the terminal is not flooded with it."""
+    records to a NullHandler, so that the terminal is not flooded with it in the minimum configuration
+    (level 0 never emits it)."""
     from hyper_adaptor.patches.compat import megatron_core
 
     log = logging.getLogger(megatron_core.RNG_MODULE)
@@ -363,15 +356,15 @@ def find_minimum(verbose: bool = True) -> dict:
     full = level0_patches()
     say = print if verbose else (lambda *a, **k: None)
     _init_distributed()
-    reason = _runs(Config("level0", full, True))
+    reason = _runs(Config("level0", full))
     if reason is not None:
         raise RuntimeError(f"the step does not run even under the full level 0: {reason}")
-    empty_reason = _runs(Config("none", [], False))
+    empty_reason = _runs(Config("none", []))
     say(f"without any level-0 patch: {empty_reason or 'runs'}")
     kept, needed_because = list(full), {}
     for patch in full:
         candidate = [p for p in kept if p is not patch]
-        reason = _runs(Config("candidate", candidate, False))
+        reason = _runs(Config("candidate", candidate))
         if reason is None:
             kept = candidate
             say(f"  drop  {patch.target}")
@@ -411,7 +404,7 @@ def _check_set(targets: list[str]) -> int:
     wanted = set(targets)
     patches = [p for p in level0_patches() if p.target in wanted]
     _init_distributed()
-    reason = _runs(Config("check", patches, False))
+    reason = _runs(Config("check", patches))
     print("RUNS" if reason is None else f"FAILS {reason}", flush=True)
     return 0
 
@@ -460,8 +453,8 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
                            "re-run with --find-minimum")
     minimum_patches = [p for p in full_patches if p.target in set(MINIMUM_TARGETS)]
     configs = {
-        "minimum": Config("minimum", minimum_patches, False),
-        "level0": Config("level0", full_patches, True),
+        "minimum": Config("minimum", minimum_patches),
+        "level0": Config("level0", full_patches),
     }
 
     load_before = os.getloadavg()

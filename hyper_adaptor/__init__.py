@@ -7,7 +7,7 @@ is the one line a pretrain script adds. Frameworks that build Megatron's argumen
 
 __version__ = "0.1.0"
 
-SUPPORTED_MEGATRON_CORE = ("0.19.2",)
+from hyper_adaptor.megatron_version import SUPPORTED as SUPPORTED_MEGATRON_CORE  # noqa: E402
 
 
 def adapt(args):

@@ -23,31 +23,50 @@ def _parse_megatron_flags(flags: list[str]):
 
 
 def describe(flags: list[str], out=sys.stdout) -> int:
+    """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core."""
     from hyper_adaptor import megatron_adaptor
     from hyper_adaptor.features import FEATURES, LEVEL_NAMES
 
     adaptor = megatron_adaptor.ADAPTOR
     args = _parse_megatron_flags(flags)
-    adaptor.prepare(args)
+    adjustments = adaptor.prepare(args, say=False)
     level = args.optimization_level
-    print(f"hyper_adaptor on {adaptor.device_type} "
-          f"(backend {args.distributed_backend}), megatron-core {megatron_adaptor.megatron_core_version()}",
+    print(f"hyper_adaptor on {adaptor.device_type} (backend {args.distributed_backend}), {adaptor.megatron}",
           file=out)
     print(f"--optimization-level {level} ({LEVEL_NAMES[level]})", file=out)
+    if adjustments:
+        print("\nadjustments to megatron's arguments:", file=out)
+        for message in adjustments:
+            print(f"    {message}", file=out)
+    missing = 0
+    registered = adaptor.manager.patches
+
+    def show(patches):
+        nonlocal missing
+        for patch in patches:
+            problem = adaptor.manager.check(patch)
+            missing += problem is not None
+            mark = f"  MISSING: {problem}" if problem else ""
+            print(f"    {patch.kind:7s} {patch.target}{mark}", file=out)
+
     for feature in FEATURES:
         applies, why = feature.status(args)
         print(f"\n[{'x' if applies else ' '}] {feature.name}  (level {feature.level}) — {why}", file=out)
         print(f"    {feature.summary}", file=out)
         if not applies:
             continue
-        for patch in feature.patches(args):
-            print(f"    {patch.kind:7s} {patch.target}", file=out)
-    extra = [p for p in adaptor.manager.describe() if p["feature"] == megatron_adaptor.FEATURE]
-    if extra:
-        print("\n[x] adaptor hooks (always)", file=out)
-        for p in extra:
-            print(f"    {p['kind']:7s} {p['target']}", file=out)
-    return 0
+        if feature.always_on:  # applied at import: what is registered is what runs
+            show([p for p in registered if p.feature == feature.name])
+        else:
+            show(feature.patches(args))
+    print("\n[x] adaptor hooks (always)", file=out)
+    show([p for p in registered if p.feature == megatron_adaptor.FEATURE])
+    if adaptor.device_type == "npu":
+        print("    (torch_npu.contrib.transfer_to_npu: torch_npu's own cuda -> npu mapping, applied at import)",
+              file=out)
+    if missing:
+        print(f"\n{missing} patch target(s) MISSING in {adaptor.megatron}", file=out)
+    return 1 if missing else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,13 @@ work on the detected accelerator — and hooks megatron.training's argument hand
 * ``add_megatron_arguments`` (looked up by ``parse_args`` at call time, so a seam that works for
   Megatron-LM's own pretrain scripts, which pass their own ``extra_args_provider``) also adds
   ``--optimization-level`` and every feature's flags;
-* ``validate_args`` first switches platform-unworkable defaults and validates the features, then runs
-  Megatron's own checks, then applies the selected features' patches.
+* ``validate_args`` first runs every enabled feature's ``adjust`` (level 0 switches platform-unworkable
+  defaults) and ``validate``, then Megatron's own checks, then puts back flags hidden from them and
+  applies the selected features' patches (docs/contract.md).
+
+Before any of that, and before megatron is imported, it finds the megatron-core Python would import
+(pip package or a Megatron-LM checkout) and refuses a release it is not checked against
+(hyper_adaptor/megatron_version.py).
 
 Frameworks that build Megatron's arguments themselves call ``hyper_adaptor.adapt(args)``.
 Checkpoint writers that re-import the main script re-run this import, so they get level 0 too.
@@ -17,51 +22,27 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import logging
 import os
 import sys
 
 import torch  # noqa: F401  (the adaptor is imported after torch, as in Megatron's scripts)
 
-from hyper_adaptor import SUPPORTED_MEGATRON_CORE, features, platform
+from hyper_adaptor import features, megatron_version, platform
 from hyper_adaptor.features import DEFAULT_LEVEL, FEATURES, FeatureConfigError
+from hyper_adaptor.features.base import restore_hidden
+from hyper_adaptor.notice import notice
 from hyper_adaptor.patch_manager import Patch, PatchManager
-from hyper_adaptor.patches.compat import arguments as compat_arguments
-from hyper_adaptor.patches.compat import imports as compat_imports
 
 logger = logging.getLogger("hyper_adaptor")
 FEATURE = "adaptor"
 
 
 def megatron_core_version() -> str | None:
-    try:
-        return importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def check_megatron_version(version: str | None = None) -> str:
-    version = version if version is not None else megatron_core_version()
-    if version is None:
-        raise RuntimeError(
-            "hyper_adaptor needs megatron-core "
-            f"{' or '.join(SUPPORTED_MEGATRON_CORE)}; it is not installed (see DEVELOPERS.md for the recipe)"
-        )
-    if version not in SUPPORTED_MEGATRON_CORE:
-        raise RuntimeError(
-            f"hyper_adaptor supports megatron-core {' or '.join(SUPPORTED_MEGATRON_CORE)}; "
-            f"the installed megatron-core is {version}"
-        )
-    return version
-
-
-def _notice(message: str) -> None:
-    # Every rank makes the same switches; say so once, from global rank 0 (RANK is set by torchrun
-    # before any process group exists).
-    if os.environ.get("RANK", "0") != "0":
-        return
-    print(f"[hyper_adaptor] {message}", flush=True)
+    """The version of the megatron-core Python imports here (pip metadata or a checkout's
+    package_info.py), or None."""
+    found = megatron_version.detect()
+    return found.version if found is not None else None
 
 
 def _preselected_device() -> str | None:
@@ -104,20 +85,27 @@ class Adaptor:
         self.manager: PatchManager | None = None
         self.applied_features: set[str] = set()
         self.device_type: str | None = None
+        self.megatron: megatron_version.MegatronVersion | None = None
 
     def bootstrap(self) -> None:
         if self.manager is not None:
             return
-        for message in compat_imports.install():
-            _notice(message)
-        version = check_megatron_version()
+        # Before anything imports megatron: which one Python would import, and whether it is supported.
+        self.megatron, warning = megatron_version.check()
+        if warning:
+            notice(warning)
+        self.manager = PatchManager(version_info=lambda: str(self.megatron))
+        compat = features.get("compat")
+        self.manager.register_all(compat.import_patches())
+        self.manager.apply()
         self.device_type = platform.select_device_type(_preselected_device())
+        notice(f"adapting {self.megatron} on {self.device_type}")
         if self.device_type == "npu":
             from hyper_adaptor.platform import npu
 
+            # torch_npu's own "cuda" -> "npu" mapping patches torch itself (not through this manager:
+            # its maintainers keep it in step with torch_npu); describe lists it.
             npu.enable_transfer_to_npu()
-        self.manager = PatchManager(version_info=lambda: f"megatron-core {version}")
-        compat = features.get("compat")
         self.manager.register_all(compat.patches(None))
         self.manager.register_all(
             [
@@ -127,15 +115,11 @@ class Adaptor:
         )
         self.manager.apply()
         self.applied_features.add(compat.name)
-        if self.device_type == "cpu":
-            from hyper_adaptor.patches.compat import megatron_core
 
-            megatron_core.install_rng_log_filter()
-            # megatron asserts this CUDA launch-queue setting for TP/CP; on the host it means nothing.
-            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-
-    def prepare(self, args) -> None:
-        """Fill missing flags, switch unworkable defaults, validate levels and features."""
+    def prepare(self, args, say: bool = True) -> list[str]:
+        """Fill missing flags, then (DESIGN §4, docs/contract.md) every enabled feature's ``adjust``
+        in FEATURES order, then every enabled feature's ``validate``. Returns the notices (each is
+        also said once, from rank 0)."""
         if not hasattr(args, "optimization_level"):
             args.optimization_level = DEFAULT_LEVEL
         if args.optimization_level not in (0, 1, 2):
@@ -149,20 +133,27 @@ class Adaptor:
                 f"--device-type {args.device_type} differs from the device chosen at import "
                 f"({self.device_type}); pass it on the command line or set HYPER_ADAPTOR_DEVICE"
             )
-        # first, so that features validate the arguments the run will really use
-        for message in compat_arguments.switch_unworkable_defaults(args, self.device_type):
-            _notice(message)
+        notices = []
+        # compat (first in FEATURES) switches platform-unworkable defaults before any other feature
+        # looks at them, so that features adjust and validate the arguments the run will really use
+        for feature in FEATURES:
+            if feature.is_enabled(args):
+                notices += feature.adjust(args)
         for feature in FEATURES:
             if feature.level > args.optimization_level and feature.asked_explicitly(args):
                 # Not an error: the same command line at a lower level must run, with Megatron's
                 # own behaviour for this feature (issue 3). Said once, naming flag and level.
                 flags = ", ".join(f.name for f in feature.flags)
-                _notice(
+                notices.append(
                     f"{flags} ({feature.name}) is a level-{feature.level} feature but "
                     f"--optimization-level is {args.optimization_level}: not applied"
                 )
+        for message in notices if say else ():
+            notice(message)
+        for feature in FEATURES:
             if feature.is_enabled(args):
                 feature.validate(args)
+        return notices
 
     def apply_features(self, args) -> list[str]:
         """Apply every enabled feature's patches (once each); returns the names applied now."""
@@ -174,7 +165,7 @@ class Adaptor:
             self.manager.register_all(patches)
             newly.append(feature.name)
             if not feature.always_on:
-                _notice(f"{feature.name} (level {feature.level}) applied: {len(patches)} patch(es)")
+                notice(f"{feature.name} (level {feature.level}) applied: {len(patches)} patch(es)")
         self.manager.apply()
         for name in newly:
             features.get(name).on_applied(args)
@@ -190,6 +181,7 @@ def _validating_features(original):
     def validate_args(args, defaults={}):  # noqa: B006  (megatron's own signature)
         ADAPTOR.prepare(args)
         result = original(args, defaults)
+        restore_hidden(args)
         ADAPTOR.apply_features(args)
         return result
 
@@ -201,6 +193,7 @@ def adapt(args):
     flags on ``args`` and apply the selected patches. Idempotent. Returns ``args``."""
     ADAPTOR.bootstrap()
     ADAPTOR.prepare(args)
+    restore_hidden(args)  # no megatron validate_args in between here
     ADAPTOR.apply_features(args)
     return args
 

@@ -5,16 +5,31 @@ naming the installed version, instead of silently patching nothing. Two features
 same attribute when both wrap it and one declares the other in ``after``. Stdlib only, so importing
 this module never pulls in Megatron or torch.
 
-Kinds: ``replace`` (set a new value), ``wrap`` (a factory ``original -> new``) and ``provide`` (set an
-attribute the installed code looks up at call time but lacks, e.g. a module global left unbound
-because an optional import failed; its parent must exist and it must be absent, and undo deletes it).
+Kinds:
+
+* ``replace`` — set a new value;
+* ``wrap`` — a factory ``original -> new``;
+* ``provide`` — set an attribute the installed code looks up at call time but lacks (e.g. a module
+  global left unbound because an optional import failed); its parent must exist and it must be
+  absent, and undo deletes it;
+* ``item`` — set one entry of a mapping (``os.environ.NAME``: the last component is the key, the rest
+  the dotted path of the mapping); undo restores the old value or removes the key;
+* ``module`` — serve a stand-in for a module that exists in the installed tree but cannot be
+  imported here (``replacement(module)`` fills the new module object); the target is the module's
+  dotted name, found on disk without importing it or its parents, and it must not be imported yet.
+  Undo removes the stand-in from ``sys.modules`` and from its parent package.
+
+Undo also restores names that modules imported while a patch was on took by value
+(``from x import f`` ran after apply): apply rebinds the modules it finds, undo scans again.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import importlib
-import importlib.metadata
+import importlib.abc
+import importlib.machinery
 import logging
 import operator
 import sys
@@ -25,8 +40,8 @@ from typing import Any, Callable, Iterable
 __all__ = ["Patch", "PatchError", "PatchTargetError", "PatchConflictError", "PatchManager"]
 logger = logging.getLogger("hyper_adaptor.patch")
 
-_KINDS = ("replace", "wrap", "provide")
-_EXCLUSIVE = ("replace", "provide")  # kinds that share their target with no other patch
+_KINDS = ("replace", "wrap", "provide", "item", "module")
+_EXCLUSIVE = ("replace", "provide", "item", "module")  # kinds that share their target with no other patch
 _MISSING = object()
 
 # Identity of these says nothing about where a global came from (None, small ints and interned
@@ -76,6 +91,30 @@ class _Slot:
     attr: str
     target: str  # first spelling seen, for messages
     patches: list[Patch] = field(default_factory=list)
+    kind: str = "attribute"  # "attribute", "item" (a mapping entry) or "module" (a sys.modules entry)
+
+    def lookup(self) -> tuple[bool, Any]:
+        if self.kind == "item":
+            return self.attr in self.owner, self.owner.get(self.attr, _MISSING)
+        if self.kind == "module":
+            return False, sys.modules.get(self.attr, _MISSING)
+        return _lookup_raw(self.owner, self.attr)
+
+    def set(self, value: Any) -> None:
+        if self.kind == "item":
+            self.owner[self.attr] = value
+        elif self.kind == "module":
+            self.owner.serve(value)
+        else:
+            setattr(self.owner, self.attr, value)
+
+    def delete(self) -> None:
+        if self.kind == "item":
+            self.owner.pop(self.attr, None)
+        elif self.kind == "module":
+            self.owner.withdraw()
+        else:
+            delattr(self.owner, self.attr)
 
 
 @dataclass
@@ -90,10 +129,10 @@ class _Applied:
 
 
 def _installed_megatron_version() -> str:
-    try:
-        return f"megatron-core {importlib.metadata.version('megatron-core')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "megatron-core not installed"
+    from hyper_adaptor.megatron_version import detect
+
+    found = detect()
+    return str(found) if found is not None else "megatron-core (not found)"
 
 
 def _lookup_raw(owner: Any, attr: str) -> tuple[bool, Any]:
@@ -125,6 +164,64 @@ def _build(patch: Patch, current: Any) -> Any:
     return patch.replacement(current)
 
 
+def _swap_globals(scope: tuple[str, ...], old_value: Any, new_value: Any, slot: "_Slot") -> list:
+    """Point module globals in ``scope`` that hold ``old_value`` at ``new_value``; returns what changed
+    as (namespace, name, old, new). The patched attribute itself is left to the caller."""
+    if old_value is new_value or isinstance(old_value, _VALUE_TYPES):
+        return []
+    owner_ns = vars(slot.owner) if isinstance(slot.owner, ModuleType) else None
+    changed, seen = [], set()
+    for module in list(sys.modules.values()):
+        name, namespace = getattr(module, "__name__", None), getattr(module, "__dict__", None)
+        # Entries may be None or non-module objects; only plain module namespaces are rebound.
+        if not (isinstance(name, str) and isinstance(namespace, dict)) \
+                or id(namespace) in seen or not _in_scope(name, scope):
+            continue
+        seen.add(id(namespace))
+        for key, value in list(namespace.items()):
+            if value is old_value and not (namespace is owner_ns and key == slot.attr):
+                namespace[key] = new_value
+                changed.append((namespace, key, old_value, new_value))
+    return changed
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves one module name from a fill function while a ``module`` patch is applied."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.fill: Callable[[ModuleType], None] | None = None
+        self.served: ModuleType | None = None
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name or self.fill is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        self.fill(module)
+        self.served = module
+
+    def serve(self, fill: Callable[[ModuleType], None]) -> None:
+        self.fill = fill
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def withdraw(self) -> None:
+        self.fill = None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        if self.served is not None and sys.modules.get(self.name) is self.served:
+            del sys.modules[self.name]
+            parent, _, leaf = self.name.rpartition(".")
+            if parent in sys.modules and getattr(sys.modules[parent], leaf, None) is self.served:
+                delattr(sys.modules[parent], leaf)
+        self.served = None
+
+
 def _in_scope(module_name: str, prefixes: tuple[str, ...]) -> bool:
     return any(module_name == p or module_name.startswith(p + ".") for p in prefixes)
 
@@ -138,7 +235,7 @@ class PatchManager:
         self._version_info = version_info or _installed_megatron_version
         self._patches: list[Patch] = []
         self._slot_of: dict[int, _Slot] = {}  # by id(patch); _patches keeps the ids valid
-        self._slots: dict[tuple[int, str], _Slot] = {}  # by (id(owner), attr); slot keeps owner
+        self._slots: dict[tuple, _Slot] = {}  # by _slot_key: (kind, id(owner), attr); slot keeps owner
         self._applied: dict[int, _Applied] = {}
         self._stack: list[_Applied] = []
 
@@ -151,16 +248,14 @@ class PatchManager:
             raise TypeError(f"expected a Patch, got {patch!r}")
         if any(p is patch for p in self._patches):
             return
-        owner, attr = self._resolve(patch.target, patch.feature, need_attr=patch.kind != "provide")
-        slot = self._slots.get((id(owner), attr))
+        slot = self._slot_for(patch)
         # A provided attribute must be absent from the code as installed; with patches already on
         # this slot, the registered patches (not the present value) decide, so _order reports them.
-        if patch.kind == "provide" and slot is None and _lookup_raw(owner, attr)[1] is not _MISSING:
+        if patch.kind == "provide" and not slot.patches and slot.lookup()[1] is not _MISSING:
             raise self._present(patch)
-        slot = slot or _Slot(owner, attr, patch.target)
         self._order(slot.patches + [patch], slot)  # raises on conflict before anything is stored
         slot.patches.append(patch)
-        self._slots[(id(owner), attr)] = slot
+        self._slots[self._slot_key(slot)] = slot
         self._slot_of[id(patch)] = slot
         self._patches.append(patch)
         logger.debug("registered %s on %s for %r", patch.kind, patch.target, patch.feature)
@@ -168,6 +263,45 @@ class PatchManager:
     def register_all(self, patches: Iterable[Patch]) -> None:
         for patch in patches:
             self.register(patch)
+
+    @staticmethod
+    def _slot_key(slot: _Slot) -> tuple:
+        return (slot.kind, id(slot.owner) if slot.kind != "module" else 0, slot.attr)
+
+    def _slot_for(self, patch: Patch) -> _Slot:
+        """The slot ``patch`` modifies (an existing one when another patch already targets it)."""
+        if patch.kind == "module":
+            self._locate_module(patch.target, patch.feature)
+            slot = self._slots.get(("module", 0, patch.target))
+            return slot or _Slot(_StandInFinder(patch.target), patch.target, patch.target, kind="module")
+        if patch.kind == "item":
+            owner, key = self._resolve(patch.target, patch.feature, need_attr=False)
+            if not isinstance(owner, collections.abc.MutableMapping):
+                raise PatchTargetError(f"feature {patch.feature!r}: 'item' target {patch.target!r}: "
+                                       f"{type(owner).__name__} is not a mapping")
+            slot = self._slots.get(("item", id(owner), key))
+            return slot or _Slot(owner, key, patch.target, kind="item")
+        owner, attr = self._resolve(patch.target, patch.feature, need_attr=patch.kind != "provide")
+        return self._slots.get(("attribute", id(owner), attr)) or _Slot(owner, attr, patch.target)
+
+    def check(self, patch: Patch) -> str | None:
+        """None when ``patch``'s target resolves in the installed code, else why not (for describe)."""
+        try:
+            self._slot_for(patch)
+        except PatchTargetError as error:
+            return str(error)
+        return None
+
+    def _locate_module(self, name: str, feature: str) -> None:
+        """A module's source must exist in the installed tree; found without importing anything."""
+        path = None
+        for depth in range(1, len(name.split(".")) + 1):
+            prefix = ".".join(name.split(".")[:depth])
+            spec = importlib.machinery.PathFinder.find_spec(prefix, path)
+            if spec is None:
+                raise PatchTargetError(f"feature {feature!r}: module {name!r} does not exist in the installed "
+                                       f"{self._version_info()} (no {prefix!r} on the import path)")
+            path = spec.submodule_search_locations
 
     def _present(self, patch: Patch) -> PatchTargetError:
         return PatchTargetError(
@@ -278,11 +412,14 @@ class PatchManager:
 
     def _apply_one(self, patch: Patch) -> None:
         slot = self._slot_of[id(patch)]
-        had_own, before = _lookup_raw(slot.owner, slot.attr)
+        had_own, before = slot.lookup()
         if patch.kind == "provide" and before is not _MISSING:
             raise self._present(patch)  # it appeared after registration: never overwrite the real one
+        if patch.kind == "module" and before is not _MISSING:
+            raise PatchError(f"feature {patch.feature!r}: module {patch.target!r} is already imported; its "
+                             f"stand-in must be applied before anything imports it")
         new = _build(patch, before)
-        setattr(slot.owner, slot.attr, new)
+        slot.set(new)
         entry = _Applied(patch, slot, had_own, before, new, [])
         self._applied[id(patch)] = entry
         self._stack.append(entry)
@@ -292,24 +429,9 @@ class PatchManager:
 
     def _rebind(self, patch: Patch, slot: _Slot, before: Any, new: Any) -> list:
         """Point globals that imported the original by value (``from x import f``) at ``new``."""
-        old_value, new_value = _plain(before), _plain(new)
-        if before is _MISSING or old_value is new_value or isinstance(old_value, _VALUE_TYPES):
+        if slot.kind != "attribute" or before is _MISSING:
             return []
-        owner_ns = vars(slot.owner) if isinstance(slot.owner, ModuleType) else None
-        rebound, seen = [], set()
-        for module in list(sys.modules.values()):
-            name, namespace = getattr(module, "__name__", None), getattr(module, "__dict__", None)
-            # Entries may be None or non-module objects; only plain module namespaces are rebound.
-            if not (isinstance(name, str) and isinstance(namespace, dict)) \
-                    or id(namespace) in seen or not _in_scope(name, patch.rebind_in):
-                continue
-            seen.add(id(namespace))
-            for key, value in list(namespace.items()):
-                # The owner's attribute was set above; names already holding `new` stay unrecorded.
-                if value is old_value and not (namespace is owner_ns and key == slot.attr):
-                    namespace[key] = new_value
-                    rebound.append((namespace, key, old_value, new_value))
-        return rebound
+        return _swap_globals(patch.rebind_in, _plain(before), _plain(new), slot)
 
     def undo(self) -> None:
         self._undo_to(0)
@@ -334,10 +456,13 @@ class PatchManager:
             if namespace.get(key, _MISSING) is new_value:
                 namespace[key] = old_value
         slot, patch = entry.slot, entry.patch
+        if slot.kind == "attribute" and entry.before is not _MISSING:
+            # modules imported while the patch was on took the patched object by value
+            _swap_globals(patch.rebind_in, _plain(entry.new), _plain(entry.before), slot)
         if entry.had_own:
-            setattr(slot.owner, slot.attr, entry.before)
+            slot.set(entry.before)
         else:
-            delattr(slot.owner, slot.attr)
+            slot.delete()
         logger.debug("undid %s on %s for %r", patch.kind, patch.target, patch.feature)
 
     @contextlib.contextmanager
@@ -361,10 +486,10 @@ class PatchManager:
 
         A target only ``provide``-d has none: AttributeError, as the unpatched lookup would raise."""
         owner, attr = self._resolve(target, "<original lookup>", need_attr=False)
-        slot = self._slots.get((id(owner), attr))
+        slot = self._slots.get(("attribute", id(owner), attr)) or self._slots.get(("item", id(owner), attr))
         if slot is None:
             raise KeyError(f"no patch is registered for {target!r}")
-        value = _lookup_raw(owner, attr)[1]
+        value = slot.lookup()[1]
         for entry in self._stack:
             if entry.slot is slot:
                 value = entry.before

@@ -1,10 +1,20 @@
-"""The Feature contract (DESIGN §4): what a feature declares to the adaptor."""
+"""The Feature contract (docs/contract.md): what a feature declares to the adaptor.
+
+For every command line the adaptor runs, in this fixed order (features in ``FEATURES`` order):
+
+1. ``adjust(args)`` of each enabled feature — the only place Megatron's arguments are changed: a
+   default that cannot work is switched, a flag megatron would reject is hidden from it
+   (:func:`hide_from_megatron`); returns one notice per change;
+2. ``validate(args)`` of each enabled feature — checks only: raises FeatureConfigError naming the
+   flags, never changes ``args``;
+3. megatron's own ``validate_args``; then hidden flags are put back (:func:`restore_hidden`);
+4. ``patches(args)`` of each enabled feature, registered and applied through one PatchManager.
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Callable
 
 from hyper_adaptor.patch_manager import Patch
 
@@ -63,14 +73,20 @@ class Feature:
     def is_enabled(self, args) -> bool:
         return self.requested(args) and self.level <= args.optimization_level
 
+    def adjust(self, args) -> list[str]:
+        """Change ``args`` where this feature needs megatron to see something else; one notice per change."""
+        return []
+
     def validate(self, args) -> None:
-        """Raise FeatureConfigError naming the flags when this feature's flags do not fit together."""
+        """Raise FeatureConfigError naming the flags when this feature's flags do not fit together.
+        Checks only: ``args`` is left as it is (the adaptor's tests hold every feature to that)."""
 
     def patches(self, args) -> list[Patch]:
         return []
 
     def on_applied(self, args) -> None:
-        """Hook run once after this feature's patches are applied."""
+        """Run once after this feature's patches are applied (process state such as a backend choice;
+        never a change of ``args``)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         if not self.flags:
@@ -103,4 +119,33 @@ class Feature:
         return True, "requested"
 
 
-Validator = Callable[[argparse.Namespace], None]
+def switch(args, dest: str, value, why: str) -> str:
+    """Set one of megatron's arguments for an ``adjust`` step; returns its notice, naming the flag."""
+    old = getattr(args, dest, None)
+    setattr(args, dest, value)
+    return f"--{dest.replace('_', '-')}: {old!r} -> {value!r} ({why})"
+
+
+HIDDEN = "hyper_adaptor_hidden"  # {dest: value} of flags hidden from megatron's validate_args
+
+
+def hide_from_megatron(args, dest: str) -> None:
+    """Lower a flag while megatron validates the arguments (it would reject a value that hyper_adaptor
+    serves); :func:`restore_hidden` puts it back right after, before anything is built from ``args``."""
+    hidden = dict(getattr(args, HIDDEN, None) or {})
+    hidden.setdefault(dest, getattr(args, dest))
+    setattr(args, HIDDEN, hidden)
+    setattr(args, dest, False)
+
+
+def restore_hidden(args) -> None:
+    for dest, value in (getattr(args, HIDDEN, None) or {}).items():
+        setattr(args, dest, value)
+    if hasattr(args, HIDDEN):
+        delattr(args, HIDDEN)
+
+
+def asked(args, dest: str):
+    """A flag's value as the user gave it, hidden from megatron or not."""
+    hidden = getattr(args, HIDDEN, None) or {}
+    return hidden[dest] if dest in hidden else getattr(args, dest, None)

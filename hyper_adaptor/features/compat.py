@@ -7,7 +7,7 @@ feature shows up in flags, validation and ``describe``.
 from __future__ import annotations
 
 from hyper_adaptor import platform
-from hyper_adaptor.features.base import Feature, Flag
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
 
 
 class Compat(Feature):
@@ -23,10 +23,29 @@ class Compat(Feature):
         ),
     )
 
+    def adjust(self, args) -> list[str]:
+        from hyper_adaptor.patches.compat import arguments
+
+        return arguments.switch_unworkable_defaults(args, platform.device_type())
+
+    def validate(self, args) -> None:
+        from hyper_adaptor.patches.compat import megatron_training
+
+        problem = megatron_training.dataset_helpers_problem()
+        if problem:
+            raise FeatureConfigError(problem)
+
     def patches(self, args):
-        from hyper_adaptor.patches.compat import megatron_core, megatron_training
-        from hyper_adaptor.platform import cpu
+        """The level-0 patches applied after megatron is importable (the import shims come first:
+        ``import_patches``)."""
+        from hyper_adaptor.patches.compat import megatron_core, megatron_training, torch_cpu
 
         dev = platform.device_type()
-        result = cpu.torch_patches() if dev == "cpu" else []
+        result = torch_cpu.torch_patches() if dev == "cpu" else []
         return result + megatron_core.patches(dev) + megatron_training.patches(dev)
+
+    def import_patches(self) -> list:
+        """What must be in place before megatron is imported at all."""
+        from hyper_adaptor.patches.compat import imports
+
+        return imports.patches()

@@ -7,13 +7,8 @@ hyper_adaptor/parallel/hsdp; megatron seam: hyper_adaptor/patches/hsdp.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
-
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.patches.hsdp.patches import REDUCE_DTYPES
 
 
 class HSDP(Feature):
@@ -40,6 +35,21 @@ class HSDP(Feature):
 
     def asked_explicitly(self, args) -> bool:
         return self.requested(args)
+
+    def adjust(self, args) -> list[str]:
+        notices = []
+        if getattr(args, "fp16", False) and args.hsdp_reduce_dtype is None:
+            # fp16 gradients carry the loss scale: HSDP sums them over the shard group before it
+            # averages, and an fp16 sum overflows where megatron (dividing first) does not — seen as
+            # steps skipped only under --use-hsdp. Reduce in fp32 unless asked otherwise.
+            notices.append(switch(args, "hsdp_reduce_dtype", "fp32",
+                                  "--use-hsdp with --fp16 reduces gradients in fp32; set it to fp16 to override"))
+        if getattr(args, "gradient_accumulation_fusion", False):
+            # megatron's fused wgrad writes into param.main_grad, which HSDP's gathered copies do
+            # not carry: the gradient goes to .grad and is reduced by HSDP's hooks instead.
+            notices.append(switch(args, "gradient_accumulation_fusion", False,
+                                  "--use-hsdp reduces gradients from .grad"))
+        return notices
 
     def validate(self, args) -> None:
         conflicts = {
@@ -91,22 +101,6 @@ class HSDP(Feature):
             raise FeatureConfigError(f"--hsdp-threshold-kb must be >= 0; got {args.hsdp_threshold_kb}")
         if args.hsdp_bucket_size_kb < 0 and args.hsdp_bucket_size_kb != -1:
             raise FeatureConfigError(f"--hsdp-bucket-size-kb must be -1, 0 or > 0; got {args.hsdp_bucket_size_kb}")
-        if getattr(args, "fp16", False) and args.hsdp_reduce_dtype is None:
-            # fp16 gradients carry the loss scale: HSDP sums them over the shard group before it
-            # averages, and an fp16 sum overflows where megatron (dividing first) does not — seen as
-            # steps skipped only under --use-hsdp. Reduce in fp32 unless asked otherwise.
-            args.hsdp_reduce_dtype = "fp32"
-            if os.environ.get("RANK", "0") == "0":
-                print("[hyper_adaptor] --use-hsdp with --fp16: gradients reduced in fp32 "
-                      "(--hsdp-reduce-dtype fp32; set it to fp16 to override)", flush=True)
-        if getattr(args, "gradient_accumulation_fusion", False):
-            # megatron's fused wgrad writes into param.main_grad, which HSDP's gathered copies do
-            # not carry: the gradient goes to .grad and is reduced by HSDP's hooks instead.
-            args.gradient_accumulation_fusion = False
-            if os.environ.get("RANK", "0") == "0":
-                print("[hyper_adaptor] --use-hsdp: gradient-accumulation fusion switched off "
-                      "(gradients are reduced by HSDP from .grad)", flush=True)
-
     def patches(self, args):
         from hyper_adaptor.patches.hsdp import patches
 
@@ -122,18 +116,3 @@ def _data_parallel_size(args) -> int | None:
         * (getattr(args, "context_parallel_size", 1) or 1)
     )
     return world // model if model and world % model == 0 else None
-
-
-def hsdp_kwargs(args) -> dict:
-    """The engine's arguments for these Megatron flags."""
-    reduce = args.hsdp_reduce_dtype
-    return {
-        "optimizer_level": args.hsdp_optimizer_level,
-        "shard_size": args.hsdp_shard_size,
-        "threshold": args.hsdp_threshold_kb,
-        "comm_async": bool(args.hsdp_comm_async),
-        "comm_fusion": args.hsdp_bucket_size_kb != 0,
-        "bucket_size": args.hsdp_bucket_size_kb if args.hsdp_bucket_size_kb != 0 else -1,
-        "reduce_dtype": REDUCE_DTYPES[reduce] if reduce else None,
-        "enable_grad_accumulation": True,
-    }

@@ -6,11 +6,10 @@ apply; no error). With the local spec megatron-core 0.19.2 ignores the flag (``S
 one expert after the other) and megatron.training's ``validate_args`` asserts a CUDA compute
 capability >= 8 for it, a check of CUDA grouped-GEMM kernels that the local spec never calls and
 that fails on CPU and NPU. From level 1 this feature runs the experts' GEMMs as grouped GEMMs
-(patches/fused/grouped_gemm.py) and lets that check pass: ``validate`` lowers the flag for
-megatron's ``validate_args`` and ``on_applied`` raises it again, before the model is built, so
-``args.moe_grouped_gemm`` (and the model config derived from it) says what was asked. (``on_applied``
-runs once per process: a namespace validated again after that keeps the flag lowered; the experts
-still run grouped, since the patch, not the config, decides.)
+(patches/fused/grouped_gemm.py) and lets that check pass: ``adjust`` hides the flag from megatron's
+``validate_args`` (features.base.hide_from_megatron) and the adaptor puts it back right after, before
+the model is built, so ``args.moe_grouped_gemm`` (and the model config derived from it) says what was
+asked.
 
 Below level 1 the flag gets megatron's behaviour (SequentialMLP); without CUDA, level 0 switches it
 off before that assertion, with one notice (patches/compat/arguments.py; docs/features/fused-kernels.md).
@@ -18,10 +17,7 @@ off before that assertion, with one notice (patches/compat/arguments.py; docs/fe
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
-
-# Where validate() keeps the request while megatron validates the arguments.
-ASKED = "hyper_adaptor_moe_grouped_gemm"
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked, hide_from_megatron
 
 
 class MoEGroupedGEMM(Feature):
@@ -36,26 +32,25 @@ class MoEGroupedGEMM(Feature):
         return getattr(args, "transformer_impl", "local") == "local"
 
     def requested(self, args) -> bool:
-        asked = bool(getattr(args, "moe_grouped_gemm", False) or getattr(args, ASKED, False))
-        return asked and self._local(args)  # with TE, megatron's TE grouped experts serve the flag
+        # with TE, megatron's TE grouped experts serve the flag
+        return bool(asked(args, "moe_grouped_gemm")) and self._local(args)
 
     def status(self, args) -> tuple[bool, str]:
         if getattr(args, "moe_grouped_gemm", False) and not self._local(args):
             return False, f"--transformer-impl {args.transformer_impl}: megatron's own grouped experts"
         return super().status(args)
 
+    def adjust(self, args) -> list[str]:
+        if not getattr(args, "moe_grouped_gemm", False):
+            return []
+        # megatron's validate_args checks CUDA hardware for grouped-GEMM kernels the local spec never calls
+        hide_from_megatron(args, "moe_grouped_gemm")
+        return ["--moe-grouped-gemm: served by hyper_adaptor's grouped GEMM (local spec); hidden from "
+                "megatron's CUDA compute-capability check while it validates the arguments"]
+
     def validate(self, args) -> None:
         if not getattr(args, "num_experts", None):
             raise FeatureConfigError("--moe-grouped-gemm needs --num-experts (it groups the MoE experts' GEMMs)")
-        if getattr(args, "moe_grouped_gemm", False):
-            # megatron's validate_args checks CUDA hardware for grouped-GEMM kernels the local spec
-            # never calls; hidden from it here, raised again in on_applied.
-            setattr(args, ASKED, True)
-            args.moe_grouped_gemm = False
-
-    def on_applied(self, args) -> None:
-        if getattr(args, ASKED, False):
-            args.moe_grouped_gemm = True
 
     def patches(self, args):
         from hyper_adaptor.patches.fused import grouped_gemm

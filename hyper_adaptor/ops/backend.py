@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from hyper_adaptor.notice import notice as say
+
 BACKENDS = ("npu", "fast", "eager")
 FALLBACK = {"npu": ("npu", "fast", "eager"), "fast": ("fast", "eager"), "eager": ("eager",)}
 BACKEND_ENV = "HYPER_ADAPTOR_OPS_BACKEND"
@@ -63,8 +65,7 @@ def notice(op: str, backend: str, reason: str, nxt: str) -> None:
     _noticed.add(key)
     message = f"{op}: the {backend} backend cannot serve this call ({reason}); using {nxt}"
     logger.warning(message)
-    if os.environ.get("RANK", "0") == "0":
-        print(f"[hyper_adaptor] {message}", flush=True)
+    say(message)
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,10 @@ class Compiled:
     """``fn`` under ``torch.compile``, compiled at its first call — the fast backends of rms_norm,
     swiglu and rope. Compilation can only fail when it runs (no C++ compiler, no Triton): that call and
     every later one then run ``fallback`` (``fn`` itself unless given), with one notice naming
-    ``fallback_name``. ``failed`` tells callers that pick a whole other path once compilation is out."""
+    ``fallback_name``. ``failed`` tells callers that pick a whole other path once compilation is out.
+
+    Only a failure of the compiler falls back: any other error (out of memory, a bad shape) is the
+    call's own and propagates, and the next call tries the compiled function again."""
 
     def __init__(self, op: str, fn: Callable, fallback: Callable | None = None,
                  fallback_name: str = "the uncompiled function"):
@@ -150,10 +154,32 @@ class Compiled:
         return self._compiled
 
     def __call__(self, *args):
-        if not self.failed:
-            try:
-                return self.compiled()(*args)
-            except Exception as exc:  # noqa: BLE001  (compilation errors surface at the first call)
-                self.failed = True
-                notice(self.op, "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", self.fallback_name)
-        return self.fallback(*args)
+        if self.failed:
+            return self.fallback(*args)
+        try:
+            return self.compiled()(*args)
+        except Exception as exc:
+            if not raised_by_compiler(exc):
+                raise
+            # dynamo traces the caller's arguments, so a shape or dtype bug of the call itself also
+            # surfaces as a compiler error: the fallback raising on the same arguments tells them
+            # apart, and its error (the caller's) propagates without giving up on compilation
+            result = self.fallback(*args)
+            self.failed = True
+            notice(self.op, "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", self.fallback_name)
+            return result
+
+
+_COMPILER_MODULES = ("torch._dynamo.exc", "torch._inductor.exc")
+
+
+def raised_by_compiler(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from, is one of torch.compile's own (dynamo's
+    TorchDynamoException family, inductor's compile errors such as CppCompileError)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(cls.__module__ in _COMPILER_MODULES for cls in type(exc).__mro__):
+            return True
+        exc = exc.__cause__
+    return False

@@ -1,4 +1,4 @@
-"""HSDP library checks, run inside a gloo world (tests/distributed/world.py).
+"""HSDP library checks, run inside a gloo world (hyper_adaptor/testing/world.py).
 
 A small tied-embedding model whose blocks mix parameters above and below the size threshold, with
 row counts that do not divide the shard size (so padding is exercised), trained for a few Adam
@@ -207,6 +207,7 @@ def extras(rank: int, world_size: int) -> dict:
     out["bf16"] = _bf16_compute()
     out["offload"] = _offload()
     out["collectives"] = _collective_paths()
+    out["per_object"] = _per_object_settings()
     out["reshard_schedule"] = _reshard_schedule()
     out["in_flight"] = _reductions_in_flight()
     return out
@@ -293,47 +294,63 @@ def _reshard_schedule() -> dict:
     return out
 
 
+class _CountCollectives:
+    """While entered, counts the calls of the torch.distributed collectives HSDP may shard with (it
+    calls them through the module's attributes, which are wrapped here)."""
+
+    NAMES = ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+
+    def __init__(self):
+        self.calls = dict.fromkeys(self.NAMES, 0)
+        self.originals = {}
+
+    def __enter__(self):
+        self.originals = {name: getattr(dist, name) for name in self.NAMES}
+        for name, fn in self.originals.items():
+            setattr(dist, name, self._counting(name, fn))
+        return self
+
+    def __exit__(self, *exc_info):
+        for name, fn in self.originals.items():
+            setattr(dist, name, fn)
+
+    def _counting(self, name, fn):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+
 def _collective_paths() -> dict:
     """HSDP's reduce-scatter and all-gather on gloo (each as an all-to-all) and gloo's own, sync and
     async, over the world and over a 2-rank subgroup, fp32 and bf16: the reduce-scatter gives this
     rank's chunk of the sum over the group, the all-gather every member's input in rank order, both
     against what is computed locally from every member's (seeded) input. Also which collective ran."""
-    from hyper_adaptor.parallel.hsdp import _bucket
+    from hyper_adaptor.parallel.hsdp import HostBufferPool, _bucket
 
     rank = dist.get_rank()
     pair = dist.new_group([0, 1]) if dist.get_world_size() >= 2 else None
     groups = {"world": (None, list(range(dist.get_world_size())))}
     if rank in (0, 1):
         groups["pair"] = (pair, [0, 1])
-    calls = {"all_to_all_single": 0, "reduce_scatter_tensor": 0, "all_gather_into_tensor": 0}
-    originals = {name: getattr(dist, name) for name in calls}
+    pool = HostBufferPool()
 
-    def counting(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    def reduce_scatter(inputs, me, group, async_op):
+    def reduce_scatter(inputs, me, group, async_op, as_all_to_all):
         out = torch.empty(7, dtype=inputs[me].dtype)
-        work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op)
+        work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op, pool, as_all_to_all)
         return out, work, torch.stack([t.float() for t in inputs]).sum(0)[me * 7 : (me + 1) * 7]
 
-    def all_gather(inputs, me, group, async_op):
+    def all_gather(inputs, me, group, async_op, as_all_to_all):
         shard = inputs[me][:7].clone()
         out = torch.empty(7 * len(inputs), dtype=shard.dtype)
-        work = _bucket.all_gather(out, shard, group, async_op)
+        work = _bucket.all_gather(out, shard, group, async_op, pool, as_all_to_all)
         return out, work, torch.cat([t[:7].float() for t in inputs])
 
     problems, used = [], {}
-    flags = ("GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL", "GLOO_ALL_GATHER_AS_ALL_TO_ALL")
-    keep = {flag: getattr(_bucket, flag) for flag in flags}
-    try:
-        for name in calls:
-            setattr(dist, name, counting(name))
-        for op_name, op, flag in (("rs", reduce_scatter, flags[0]), ("ag", all_gather, flags[1])):
+    with _CountCollectives() as counted:
+        calls = counted.calls
+        for op_name, op in (("rs", reduce_scatter), ("ag", all_gather)):
             for as_all_to_all in (True, False):
-                setattr(_bucket, flag, as_all_to_all)
                 for gname, (group, members) in groups.items():
                     S, me = len(members), members.index(rank)
                     for dtype in (torch.float32, torch.bfloat16):
@@ -341,7 +358,7 @@ def _collective_paths() -> dict:
                             inputs = [torch.randn(S * 7, generator=torch.Generator().manual_seed(100 + m)).to(dtype)
                                       for m in members]
                             before = dict(calls)
-                            out, work, want = op(inputs, me, group, async_op)
+                            out, work, want = op(inputs, me, group, async_op, as_all_to_all)
                             if async_op:
                                 work.wait()
                             tol = 1e-6 if dtype == torch.float32 else 2e-2
@@ -351,12 +368,45 @@ def _collective_paths() -> dict:
                             if err > tol * max(1.0, want.abs().max().item()):
                                 problems.append(f"{key}: max error {err}")
                             used[key] = [n for n in calls if calls[n] > before[n]]
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
-        for flag, value in keep.items():
-            setattr(_bucket, flag, value)
     return {"problems": problems, "used": used}
+
+
+def _per_object_settings() -> dict:
+    """Models wrapped with different gloo switches and buffer pools, all alive in one process: each
+    trains with the collectives it was given (gloo's own, all-to-all, or one of each) and takes its
+    buffers from its own pool only; every one matches the reference. Levels 1 (parameters gathered
+    again after each optimizer step) and 3 (gathered for every forward and backward)."""
+    from hyper_adaptor.parallel.hsdp import HostBufferPool
+
+    class CountingPool(HostBufferPool):
+        def __init__(self):
+            super().__init__()
+            self.takes = 0
+
+        def take(self, *args, **kwargs):
+            self.takes += 1
+            return super().take(*args, **kwargs)
+
+    ref = reference()
+    variants = {"gloo": (False, False), "a2a": (True, True), "rs-a2a": (True, False)}
+    out = {}
+    for level in ("level1", "level3"):
+        pools = {name: CountingPool() for name in variants}
+        models = {
+            name: wrap(make_model(), optimizer_level=level, shard_size=4, threshold=THRESHOLD_KB, comm_fusion=True,
+                       buffer_pool=pools[name], gloo_reduce_scatter_as_all_to_all=rs,
+                       gloo_all_gather_as_all_to_all=ag)
+            for name, (rs, ag) in variants.items()
+        }
+        for name, model in models.items():
+            takes = {other: pool.takes for other, pool in pools.items()}
+            with _CountCollectives() as counted:
+                losses = train(model)
+            out[f"{level}-{name}"] = {
+                "problems": compare(ref, losses, full_params(model)), "calls": counted.calls,
+                "takes": {other: pool.takes - takes[other] for other, pool in pools.items()},
+            }
+    return out
 
 
 def _offload() -> dict:

@@ -5,7 +5,7 @@ whole tensors load as HSDP rows. The training-loop save / resume is in tests/e2e
 
 import pytest
 
-from tests.distributed.world import run_world
+from hyper_adaptor.testing import run_world
 
 pytestmark = pytest.mark.distributed
 

@@ -6,7 +6,7 @@ bf16 compute: losses within 3e-2 relative of the fp32 reference (8 mantissa bits
 
 import pytest
 
-from tests.distributed.world import run_world
+from hyper_adaptor.testing import run_world
 
 pytestmark = pytest.mark.distributed
 TARGET = "tests.distributed.hsdp_checks"
@@ -98,6 +98,24 @@ def test_gloo_reduce_scatter_and_all_gather_as_all_to_all_match(extras):
     for key, used in r["used"].items():
         op, path = key.split("-")[:2]
         assert used == (["all_to_all_single"] if path == "a2a" else native[op]), key
+
+
+@pytest.mark.parametrize("level", ["level1", "level3"])
+def test_gloo_switches_and_buffer_pool_are_per_module(extras, level):
+    r = {name: extras["per_object"][f"{level}-{name}"] for name in ("gloo", "a2a", "rs-a2a")}
+    for name, variant in r.items():
+        assert variant["problems"] == [], name
+        # its own pool served every host buffer; the other modules' pools were not touched
+        assert variant["takes"][name] > 0, name
+        assert all(n == 0 for other, n in variant["takes"].items() if other != name), (name, variant["takes"])
+    calls = {name: variant["calls"] for name, variant in r.items()}
+    assert calls["gloo"]["all_to_all_single"] == 0, calls
+    assert calls["gloo"]["reduce_scatter_tensor"] > 0 and calls["gloo"]["all_gather_into_tensor"] > 0, calls
+    assert calls["a2a"]["all_to_all_single"] > 0, calls
+    assert calls["a2a"]["reduce_scatter_tensor"] == calls["a2a"]["all_gather_into_tensor"] == 0, calls
+    # one switch on, the other off: the reduce-scatters are all-to-alls, the all-gathers gloo's own
+    assert calls["rs-a2a"]["all_to_all_single"] > 0 and calls["rs-a2a"]["reduce_scatter_tensor"] == 0, calls
+    assert calls["rs-a2a"]["all_gather_into_tensor"] > 0, calls
 
 
 def test_level3_keeps_root_and_last_unit_gathered_until_backward(extras):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.distributed.world import run_world
+from hyper_adaptor.testing import run_world
 
 pytestmark = pytest.mark.distributed
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from hyper_adaptor.testing import WorldError, run_world
 from tests.distributed.gpt_parity import Layout
-from tests.distributed.world import WorldError, run_world
 
 pytestmark = pytest.mark.distributed
 

@@ -2,21 +2,24 @@
 level 0, TP2 on gloo, 3 Adam steps; and level 0 with the same flags leaves Megatron untouched.
 
 Level 0 here is megatron-core's own local-spec path (torch RMSNorm, unfused SwiGLU and RoPE,
-DotProductAttention, plain weight-gradient accumulation). Tolerances: fp32 losses 1e-5 relative,
-gradients and parameters 1e-4 absolute (the fused ops reorder floating-point sums: flash attention's
-online softmax, RMSNorm's fused reduction); bf16 losses 2e-2 relative. Level 0 with the level-1
+DotProductAttention, plain weight-gradient accumulation). The fused ops reorder floating-point sums
+(flash attention's online softmax, RMSNorm's fused reduction). Tolerances: fp32 losses 1e-5 relative,
+each gradient 1e-4 relative in norm (seen: 5e-6; an absolute 1e-4 would let a 10% error through in
+the RMSNorm weights, whose gradients stay below 1e-3), parameters 1e-4 absolute; bf16
+``gpt_parity.BF16`` (losses 2e-2 relative, each gradient 3e-2 relative in norm), at every step:
+without linear biases the bf16 runs stay within 2e-2 of each other in norm. Level 0 with the level-1
 flags must be bit-identical to level 0.
 """
 
 import pytest
 
-from tests.distributed.gpt_parity import Layout, compare
-from tests.distributed.world import run_world
+from hyper_adaptor.testing import run_world
+from tests.distributed.gpt_parity import BF16, Layout, compare, missed_wrong_gradients
 
 pytestmark = pytest.mark.distributed
 
 TARGET = "tests.distributed.gpt_parity:train_many"
-FP32 = dict(loss_rtol=1e-5, grad_atol=1e-4, param_atol=1e-4)
+FP32 = dict(loss_rtol=1e-5, grad_rtol=1e-4, param_atol=1e-4)
 MODERN = dict(normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False)
 FLAGS = dict(
     use_fused_rmsnorm=True,
@@ -63,15 +66,21 @@ def test_level1_matches_level0_fp32(runs):
 
 
 def test_level1_bf16_close_to_level0_bf16(runs):
-    got, want = runs["level1-bf16"]["loss"], runs["level0-bf16"]["loss"]
-    assert all(abs(g - w) <= 2e-2 * abs(w) for g, w in zip(got, want)), (got, want)
+    assert compare(runs["level0-bf16"], runs["level1-bf16"], **BF16) == []
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tolerances_catch_one_gradient_off_by_10_percent(runs, dtype):
+    want, got, tolerance = (
+        (runs["level0"], runs["level1"], FP32) if dtype == "fp32" else (runs["level0-bf16"], runs["level1-bf16"], BF16)
+    )
+    assert missed_wrong_gradients(want, got, tolerance) == []
+    assert missed_wrong_gradients(want, got, tolerance, factor=0.9) == []
 
 
 def test_level0_with_level1_flags_is_untouched(runs):
     assert runs["level0-with-flags"]["loss"] == runs["level0"]["loss"]
-    for kind in ("grads", "params"):
-        for want, got in zip(runs["level0"][kind], runs["level0-with-flags"][kind]):
-            assert all((want[k] - got[k]).abs().max().item() == 0.0 for k in want)
+    assert compare(runs["level0"], runs["level0-with-flags"], loss_rtol=0.0, grad_atol=0.0, param_atol=0.0) == []
 
 
 def test_level1_really_ran_the_fused_ops(runs):

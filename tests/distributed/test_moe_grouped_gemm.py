@@ -13,8 +13,11 @@ over both ranks), megatron DDP + Adam, 3 steps. Runs in one world, in order:
 
 Tolerances: fp32 losses 1e-6 relative, gradients and parameters 1e-6 absolute (the grouped path runs
 the same per-expert GEMMs, so only a GEMM's blocking could reorder a sum); bf16 losses 1e-3
-relative, gradients (fp32 main_grad) 1e-3 absolute (one bf16 rounding of an activation may flip).
-On the 2-core CPU VM of this project both dtypes came out bit-identical.
+relative, each gradient (fp32 main_grad) 1e-2 relative in norm, parameters 1e-3 absolute (room for
+one bf16 rounding of an activation to flip). The bf16 gradients are bounded relative to their norm:
+the router's and the RMSNorm weights' gradients stay below 1e-3, so an absolute 1e-3 let a 10% error
+through in 17 of the 66 gradients of a rank. On the 2-core CPU VM of this project both dtypes came
+out bit-identical.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import types
 import pytest
 import torch
 
-from tests.distributed.world import run_world
+from hyper_adaptor.testing import run_world
+from tests.distributed.gpt_parity import compare, missed_wrong_gradients
 
 pytestmark = pytest.mark.distributed
 
 SEQ, VOCAB, MICRO_BATCH, GLOBAL_BATCH, EXPERTS = 32, 128, 2, 8, 4
-FP32 = dict(loss_rtol=1e-6, atol=1e-6)
-BF16 = dict(loss_rtol=1e-3, atol=1e-3)
+FP32 = dict(loss_rtol=1e-6, grad_atol=1e-6, param_atol=1e-6)
+BF16 = dict(loss_rtol=1e-3, grad_rtol=1e-2, param_atol=1e-3)
 
 
 def _build(ep: int, bf16: bool, grad_fusion: bool, flag: bool, seed: int):
@@ -145,28 +149,26 @@ def runs():
     return run_world(2, "tests.distributed.test_moe_grouped_gemm:train_many", timeout=400, runs=layouts)
 
 
-def _differences(want: dict, got: dict, loss_rtol: float, atol: float) -> list[str]:
-    problems = [f"step {i}: loss {g!r} vs {w!r}" for i, (w, g) in enumerate(zip(want["loss"], got["loss"]))
-                if abs(g - w) > loss_rtol * abs(w)]
-    for kind in ("grads", "params"):
-        for step, (w, g) in enumerate(zip(want[kind], got[kind])):
-            assert set(w) == set(g)
-            problems += [f"step {step}: {kind} {n} max |diff| {(w[n] - g[n]).abs().max().item():.3g}"
-                         for n in w if (w[n] - g[n]).abs().max().item() > atol]
-    return problems
-
-
 @pytest.mark.parametrize("rank", [0, 1])
 def test_grouped_gemm_matches_megatron_fp32(runs, rank):
     got, want = runs[rank]["grouped"], runs[rank]["level1"]
-    assert _differences(want, got, **FP32) == []
+    assert compare(want, got, **FP32) == []
     assert got["loss"][2] < got["loss"][0]  # it trains
     assert any("local_experts.1.linear_fc2" in n for n in got["grads"][0])  # two local experts per rank
 
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_grouped_gemm_bf16_close_to_megatron_bf16(runs, rank):
-    assert _differences(runs[rank]["level1-bf16"], runs[rank]["grouped-bf16"], **BF16) == []
+    assert compare(runs[rank]["level1-bf16"], runs[rank]["grouped-bf16"], **BF16) == []
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tolerances_catch_one_gradient_off_by_10_percent(runs, dtype):
+    suffix, tolerance = ("", FP32) if dtype == "fp32" else ("-bf16", BF16)
+    for rank in (0, 1):
+        want, got = runs[rank]["level1" + suffix], runs[rank]["grouped" + suffix]
+        assert missed_wrong_gradients(want, got, tolerance) == [], rank
+        assert missed_wrong_gradients(want, got, tolerance, factor=0.9) == [], rank
 
 
 def test_grouped_gemm_really_ran_and_level1_without_flag_did_not(runs):
@@ -180,5 +182,5 @@ def test_level0_with_the_flag_is_megatron_bit_for_bit(runs):
     for rank in (0, 1):
         want, got = runs[rank]["level0"], runs[rank]["level0-with-flag"]
         assert got["loss"] == want["loss"]
-        assert _differences(want, got, loss_rtol=0.0, atol=0.0) == []
+        assert compare(want, got, loss_rtol=0.0, grad_atol=0.0, param_atol=0.0) == []
         assert sum(got["grouped_gemm_calls"].values()) == 0

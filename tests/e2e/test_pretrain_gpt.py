@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.world import free_port
+from hyper_adaptor.testing import free_port
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,14 +27,14 @@ MODEL = (
 ).split()
 
 
-def pretrain(nproc, *args, timeout=420, model=MODEL):
+def pretrain(nproc, *args, timeout=420, model=MODEL, env=None):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), "examples/pretrain_gpt.py", *model, *args,
     ]
     # PYTHONFAULTHANDLER: a rank that hangs past the timeout is sent SIGABRT, and prints where every
     # thread of it stands before the run is killed (the test still fails, with the stacks in its message)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", **(env or {}))
     with subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env) as proc:
         try:

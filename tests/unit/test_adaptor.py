@@ -133,18 +133,6 @@ def test_requesting_cuda_on_a_cpu_machine_fails_at_import():
     assert "--device-type cuda was requested" in result.stderr
 
 
-@pytest.mark.parametrize("version", ["0.18.0", "0.20.0"])
-def test_unsupported_megatron_core_version_is_an_error(version):
-    with pytest.raises(RuntimeError, match=rf"supports megatron-core 0\.19\.2; the installed megatron-core is {version}"):
-        adaptor_module.check_megatron_version(version)
-
-
-def test_missing_megatron_core_is_an_error(monkeypatch):
-    monkeypatch.setattr(adaptor_module, "megatron_core_version", lambda: None)
-    with pytest.raises(RuntimeError, match="it is not installed"):
-        adaptor_module.check_megatron_version()
-
-
 def test_platform_defaults_are_switched_with_one_notice_each(capsys):
     args = megatron_args("--optimization-level", "0")  # Megatron's own defaults: nccl, TE, fusions on
     ADAPTOR.prepare(args)
@@ -214,3 +202,129 @@ def test_unknown_fused_backend_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit):
         megatron_args("--fused-backend", "cuda")
     assert "--fused-backend" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the feature contract (issue 13)
+
+ALL_FLAGS = (
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--normalization", "RMSNorm", "--swiglu",
+    "--position-embedding-type", "rope", "--use-fused-rmsnorm", "--use-fused-swiglu",
+    "--use-fused-rotary-pos-emb", "--use-flash-attn", "--num-experts", "4", "--moe-grouped-gemm",
+    "--fused-backend", "eager", "--use-hsdp", "--fp16",
+)
+
+
+def test_validate_only_checks_and_adjust_says_every_change():
+    """adjust() is where arguments change, with one notice per change; validate() of every feature
+    leaves the namespace exactly as it found it (so the order features validate in cannot matter)."""
+    import copy
+
+    args = megatron_args(*ALL_FLAGS)
+    args.rank, args.world_size = 0, 1
+    before = copy.deepcopy(vars(args))
+    notices = []
+    for feature in features.FEATURES:
+        if feature.is_enabled(args):
+            notices += feature.adjust(args)
+    changed = {k for k in vars(args) if vars(args)[k] != before.get(k)} - {"hyper_adaptor_hidden"}
+    for dest in changed:  # every change is said, naming the flag
+        flag = "--" + dest.replace("_", "-")
+        assert any(flag in n for n in notices), (flag, notices)
+    assert {"hsdp_reduce_dtype", "gradient_accumulation_fusion", "moe_grouped_gemm", "distributed_backend"} <= changed
+    adjusted = copy.deepcopy(vars(args))
+    enabled = [f for f in features.FEATURES if f.is_enabled(args)]
+    assert {f.name for f in enabled} >= {"compat", "fused_rmsnorm", "moe_grouped_gemm", "hsdp"}
+    for feature in reversed(enabled):  # any order
+        feature.validate(args)
+        assert vars(args) == adjusted, feature.name
+
+
+def test_describe_shows_adjustments_and_marks_a_missing_target(monkeypatch):
+    import io
+
+    from hyper_adaptor import cli
+    from hyper_adaptor.patch_manager import Patch
+
+    hsdp = features.get("hsdp")
+    real = hsdp.patches
+    monkeypatch.setattr(hsdp, "patches", lambda args: real(args) + [
+        Patch("megatron.core.optimizer.optimizer.NoSuchOptimizer.step", lambda o: o, "wrap", "hsdp")])
+    out = io.StringIO()
+    assert cli.describe(["--use-hsdp", "--fp16"], out=out) == 1
+    text = out.getvalue()
+    assert "adjustments to megatron's arguments:" in text and "--hsdp-reduce-dtype: None -> 'fp32'" in text
+    assert "wrap    megatron.core.optimizer.optimizer.NoSuchOptimizer.step  MISSING: feature 'hsdp'" in text
+    assert "1 patch target(s) MISSING in megatron-core 0.19.2" in text
+    assert "wrap    megatron.training.checkpointing.generate_state_dict\n" in text  # a resolved one: unmarked
+
+
+def test_every_level0_change_is_a_patch_that_undo_takes_back():
+    """The Tensor.type view, the import shims, the RNG log patch and the environment variable all go
+    through the manager: after undo() nothing of level 0 is left (a fresh process: level 0 is process-wide)."""
+    code = """
+import logging, os, sys, typing, torch
+inherited = torch._C.TensorBase.type
+import hyper_adaptor.megatron_adaptor as a
+import megatron.core.tensor_parallel.random as rng
+kinds = {p.kind for p in a.ADAPTOR.manager.patches}
+assert {"replace", "wrap", "provide", "item", "module"} <= kinds, kinds
+assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and rng.logging is not logging
+assert "type" in vars(torch.Tensor)
+a.ADAPTOR.manager.undo()
+assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
+assert rng.logging is logging
+assert "type" not in vars(torch.Tensor) and torch.Tensor.type is inherited
+assert not hasattr(typing, "override")
+assert "megatron.core.transformer.moe.ops.paged_stash" not in sys.modules
+assert not any(type(f).__name__ == "_StandInFinder" for f in sys.meta_path)
+assert not hasattr(torch.cuda.current_device, "__qualname__") or "emulated" not in torch.cuda.current_device.__qualname__
+print("clean")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "clean" in result.stdout
+
+
+def test_host_fork_warning_is_dropped_and_other_records_pass(caplog):
+    import logging
+
+    import megatron.core.tensor_parallel.random as rng
+    from hyper_adaptor.patches.compat.megatron_core import HOST_FORK_WARNING, RNG_MODULE
+
+    if ADAPTOR.device_type != "cpu":
+        pytest.skip("a CPU patch")
+    with caplog.at_level(logging.WARNING, logger=RNG_MODULE):
+        rng.logging.getLogger(RNG_MODULE).warning(HOST_FORK_WARNING)
+        rng.logging.getLogger(RNG_MODULE).warning("something else")
+    messages = [r.getMessage() for r in caplog.records if r.name == RNG_MODULE]
+    assert messages == ["something else"]
+
+
+def test_unbuildable_dataset_helpers_are_said_before_megatron_tries(tmp_path, monkeypatch):
+    """A checkout builds its dataset helpers with `python3 -m pybind11` from PATH at start-up; without
+    pybind11 every rank would die in a compiler error / gloo cascade. validate says so first."""
+    from hyper_adaptor.patches.compat import megatron_training
+
+    datasets = tmp_path / "datasets"
+    datasets.mkdir()
+    (datasets / "helpers.cpp").write_text("")
+    no_pybind = tmp_path / "bin" / "python3"
+    no_pybind.parent.mkdir()
+    no_pybind.write_text("#!/bin/sh\necho 'No module named pybind11' >&2\nexit 1\n")
+    no_pybind.chmod(0o755)
+
+    assert "no Makefile" in megatron_training.dataset_helpers_problem(datasets, str(no_pybind))
+    (datasets / "Makefile").write_text("default:\n")
+    problem = megatron_training.dataset_helpers_problem(datasets, str(no_pybind))
+    assert f"`{no_pybind} -m pip install pybind11`" in problem and "No module named pybind11" in problem
+    assert f"make -C {datasets}" in problem
+    (datasets / "helpers_cpp.cpython-311-x86_64-linux-gnu.so").write_text("")
+    assert megatron_training.dataset_helpers_problem(datasets, str(no_pybind)) is None
+
+    (datasets / "helpers_cpp.cpython-311-x86_64-linux-gnu.so").unlink()
+    monkeypatch.setattr(megatron_training, "_datasets_dir", lambda: datasets)
+    monkeypatch.setenv("PATH", f"{no_pybind.parent}{__import__('os').pathsep}{__import__('os').environ['PATH']}")
+    with pytest.raises(FeatureConfigError, match="pip install pybind11"):
+        ADAPTOR.prepare(megatron_args())

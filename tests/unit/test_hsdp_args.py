@@ -82,12 +82,12 @@ def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
 
 
 def test_hsdp_flags_switch_off_grad_accumulation_fusion_and_map_to_the_engine(capsys):
-    from hyper_adaptor.features.hsdp import hsdp_kwargs
+    from hyper_adaptor.patches.hsdp.patches import hsdp_kwargs
 
     args = _prepare("--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-shard-size", "2",
                     "--hsdp-bucket-size-kb", "0", "--hsdp-reduce-dtype", "fp32")
     assert args.gradient_accumulation_fusion is False
-    assert "gradient-accumulation fusion switched off" in capsys.readouterr().out
+    assert "--gradient-accumulation-fusion: True -> False (--use-hsdp reduces gradients from .grad)" in capsys.readouterr().out
     kw = hsdp_kwargs(args)
     assert kw["optimizer_level"] == "level3" and kw["shard_size"] == 2
     assert kw["comm_fusion"] is False and kw["reduce_dtype"] is torch.float32
@@ -102,10 +102,10 @@ def test_use_hsdp_below_level_2_is_a_notice_not_applied(capsys):
 
 
 def test_fp16_reduces_in_fp32_unless_told(capsys):
-    from hyper_adaptor.features.hsdp import hsdp_kwargs
+    from hyper_adaptor.patches.hsdp.patches import hsdp_kwargs
 
     args = _prepare("--use-hsdp", "--fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float32
-    assert "--use-hsdp with --fp16: gradients reduced in fp32" in capsys.readouterr().out
+    assert "--hsdp-reduce-dtype: None -> 'fp32' (--use-hsdp with --fp16 reduces gradients in fp32" in capsys.readouterr().out
     args = _prepare("--use-hsdp", "--fp16", "--hsdp-reduce-dtype", "fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float16

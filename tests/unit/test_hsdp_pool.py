@@ -1,9 +1,13 @@
-"""HSDP's CPU buffer pool (hyper_adaptor/parallel/hsdp/_bucket.py: HostBufferPool): a block given back
-is handed out again to a request it fits, never while it is out, and at most ``keep`` blocks stay."""
+"""HSDP's CPU buffer pool (hyper_adaptor/parallel/hsdp/_pool.py: HostBufferPool): a block given back
+is handed out again to a request it fits, never while it is out, and at most ``keep`` blocks stay;
+HSDP's gloo collectives take their buffers from the pool they are given and give them back once the
+transfer is done."""
 
+import pytest
 import torch
 
-from hyper_adaptor.parallel.hsdp._bucket import HostBufferPool
+from hyper_adaptor.parallel.hsdp import HostBufferPool, _bucket
+from tests.unit.ops._world import open_world_of_one
 
 CPU = torch.device("cpu")
 
@@ -21,13 +25,13 @@ def test_a_given_block_is_reused_for_a_request_it_fits():
 def test_a_block_that_is_out_is_never_handed_out_twice():
     pool = HostBufferPool()
     a = pool.take(100, torch.float32, CPU)
-    b = pool.take(100, torch.float32, CPU)
-    assert a.data_ptr() != b.data_ptr()
     pool.give(a)
     pool.give(a)  # twice: kept once
     c = pool.take(100, torch.float32, CPU)
-    d = pool.take(100, torch.float32, CPU)
-    assert c.data_ptr() == a.data_ptr() and d.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    assert c.data_ptr() == a.data_ptr()
+    d = pool.take(100, torch.float32, CPU)  # a's block is out (as c): a fresh one
+    assert d.data_ptr() != a.data_ptr()
+    assert pool.reserved_bytes() == 0
 
 
 def test_too_small_or_other_dtype_blocks_are_not_used_and_keep_bounds_what_stays():
@@ -38,17 +42,44 @@ def test_too_small_or_other_dtype_blocks_are_not_used_and_keep_bounds_what_stays
     assert pool.take(10, torch.bfloat16, CPU).dtype == torch.bfloat16
     for n in (10, 20, 30):
         pool.give(torch.empty(n))
-    # the two largest stay (a view gives back its whole block)
+    # the two largest stay
     assert sorted(b.numel() for b in pool.free[(torch.float32, CPU)]) == [20, 30]
     assert pool.reserved_bytes() == 50 * 4
-    pool.give(torch.empty(40)[:5])
+    pool.give(torch.empty(40)[:5])  # a view gives back its whole block
     assert sorted(b.numel() for b in pool.free[(torch.float32, CPU)]) == [30, 40]
 
 
-def test_keep_zero_keeps_nothing_and_the_live_pool_is_exported():
-    from hyper_adaptor.parallel.hsdp import _bucket, host_buffer_pool
-
-    assert host_buffer_pool() is _bucket.POOL
+def test_keep_zero_keeps_nothing():
     pool = HostBufferPool(keep=0)
     pool.give(torch.empty(100))
     assert pool.reserved_bytes() == 0
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    import torch.distributed as dist
+
+    own = open_world_of_one()
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_gloo_collectives_take_from_their_pool_and_give_back_after_the_transfer(world_of_one, async_op):
+    pool = HostBufferPool()
+    send = torch.arange(6, dtype=torch.float32)
+    gathered = torch.empty(6)
+    work = _bucket.all_gather(gathered, send, None, async_op, pool, as_all_to_all=True)
+    if async_op:
+        assert pool.reserved_bytes() == 0  # still out: the transfer may be reading it
+        work.wait()
+    assert torch.equal(gathered, send)
+    [block] = pool.free[(torch.float32, CPU)]  # the all-gather's buffer, given back
+    reduced = torch.empty(6)
+    work = _bucket.reduce_scatter(reduced, send, None, async_op, pool, as_all_to_all=True)
+    if async_op:
+        assert pool.reserved_bytes() == 0  # the same block, out again
+        work.wait()
+    assert torch.equal(reduced, send)
+    assert [b.data_ptr() for b in pool.free[(torch.float32, CPU)]] == [block.data_ptr()]

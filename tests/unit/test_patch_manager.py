@@ -695,3 +695,83 @@ def test_provide_in_describe_and_original(fake, pm):
             pm.original(fake.t("a.provided"))
     with pytest.raises(AttributeError):
         pm.original(fake.t("a.provided"))
+
+
+# ---------------------------------------------------------------- undo after imports mid-apply
+
+
+def test_undo_restores_a_module_imported_while_patches_were_on(fake, pm, tmp_path):
+    orig = fake.a.f
+    pm.register(fake.patch("a.f", lambda: 2, "replace"))
+    pm.apply()
+    (tmp_path / fake.name / "late.py").write_text(f"from {fake.name}.a import f\n")
+    late = importlib.import_module(f"{fake.name}.late")
+    assert late.f() == 2  # took the patched function by value
+    pm.undo()
+    assert late.f is orig and fake.a.f is orig
+
+
+def test_undo_of_stacked_wraps_restores_a_late_module_to_the_original(fake, pm, tmp_path):
+    orig = fake.a.f
+    pm.register(fake.patch("a.f", lambda o: lambda: o() + 1, "wrap", feature="one"))
+    pm.register(fake.patch("a.f", lambda o: lambda: o() * 10, "wrap", feature="two", after=("one",)))
+    pm.apply()
+    (tmp_path / fake.name / "late2.py").write_text(f"from {fake.name}.a import f\n")
+    late = importlib.import_module(f"{fake.name}.late2")
+    assert late.f() == 20
+    pm.undo()
+    assert late.f is orig
+
+
+# ---------------------------------------------------------------- item and module kinds
+
+
+def test_item_sets_and_restores_a_mapping_entry(fake, pm, monkeypatch):
+    monkeypatch.delenv("HYPER_ADAPTOR_TEST_ITEM", raising=False)
+    monkeypatch.setenv("HYPER_ADAPTOR_TEST_ITEM2", "before")
+    pm.register(Patch("os.environ.HYPER_ADAPTOR_TEST_ITEM", "1", "item", "feat"))
+    pm.register(Patch("os.environ.HYPER_ADAPTOR_TEST_ITEM2", "after", "item", "feat"))
+    with pm.applied():
+        import os
+
+        assert os.environ["HYPER_ADAPTOR_TEST_ITEM"] == "1" and os.environ["HYPER_ADAPTOR_TEST_ITEM2"] == "after"
+    assert "HYPER_ADAPTOR_TEST_ITEM" not in os.environ and os.environ["HYPER_ADAPTOR_TEST_ITEM2"] == "before"
+    with pytest.raises(PatchConflictError):
+        pm.register(Patch("os.environ.HYPER_ADAPTOR_TEST_ITEM", "2", "item", "other"))
+    with pytest.raises(PatchTargetError, match="is not a mapping"):
+        pm.register(fake.patch("a.f.x", "1", "item"))
+
+
+def test_module_stand_in_is_served_then_withdrawn(fake, pm, tmp_path):
+    (tmp_path / fake.name / "needs_gpu.py").write_text("import missing_gpu_library_xyz\n")
+    name = fake.t("needs_gpu")
+    with pytest.raises(ImportError):
+        importlib.import_module(name)
+
+    def fill(module):
+        module.ANSWER = 42
+
+    pm.register(Patch(name, fill, "module", "feat"))
+    assert {"target": name, "kind": "module", "feature": "feat", "applied": False} in pm.describe()
+    with pm.applied():
+        assert importlib.import_module(name).ANSWER == 42
+        from importlib import import_module
+
+        assert import_module(fake.name).needs_gpu.ANSWER == 42
+    assert name not in sys.modules and not hasattr(sys.modules[fake.name], "needs_gpu")
+    with pytest.raises(ImportError):
+        importlib.import_module(name)
+
+
+def test_module_stand_in_needs_the_real_file_and_refuses_an_imported_module(fake, pm):
+    with pytest.raises(PatchTargetError, match=r"module '.*\.nowhere' does not exist in the installed megatron-core 9\.9\.9"):
+        pm.register(Patch(fake.t("nowhere"), lambda m: None, "module", "feat"))
+    pm.register(Patch(fake.t("a"), lambda m: None, "module", "feat"))  # exists, but imported already
+    with pytest.raises(PatchError, match="already imported"):
+        pm.apply()
+
+
+def test_check_says_why_a_target_does_not_resolve(fake, pm):
+    assert pm.check(fake.patch("a.f", lambda: 2, "replace")) is None
+    problem = pm.check(fake.patch("a.nope", lambda: 2, "replace"))
+    assert "does not exist in the installed megatron-core 9.9.9" in problem and "a.nope" in problem

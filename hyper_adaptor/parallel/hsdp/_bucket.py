@@ -13,73 +13,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hyper_adaptor.parallel.hsdp._config import HSDPConfig
 from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
 from hyper_adaptor.parallel.hsdp._param import HSDPParam
-
-
-# On gloo (CPU tensors), torch's ``reduce_scatter_tensor`` clones its input, all-reduces the clone
-# and copies this rank's chunk out: twice the bytes of a reduce-scatter on the wire, plus a copy of
-# the whole buffer. An all-to-all moves exactly the reduce-scatter's bytes ((S-1)/S of the buffer
-# per rank) and each rank then sums the S chunks it received (its own chunk of every rank): measured
-# 18-22 ms against 35-40 ms for 13 MB over 4 gloo ranks on the 2-core CI box. Other backends (NCCL,
-# HCCL) have a native reduce-scatter and keep it. Module-level so that a benchmark can compare both.
-GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL = True
-
-# Likewise gloo's all-gather is a ring: S-1 steps, each waiting for the neighbour's previous one. On a
-# host with more ranks than cores every step waits for a rank to be scheduled again; an all-to-all of
-# the shard repeated S times moves the same bytes in one round of pairwise exchanges. Measured for
-# 13 MB over 4 gloo ranks on the 2-core CI box, bare: 12-15 ms (the repeat copy included) against
-# 16-22 ms; inside a level-3 step the difference is larger (bench/hsdp.py, ``-gloo`` rows).
-GLOO_ALL_GATHER_AS_ALL_TO_ALL = True
-
-
-class HostBufferPool:
-    """Keeps the large transient communication buffers of HSDP on the CPU between uses.
-
-    The CUDA / NPU caching allocators keep freed blocks reserved for the next allocation; torch's CPU
-    allocator hands large blocks back to the operating system, so a buffer the size of the whole
-    model, allocated afresh each step, page-faults all of it in again: measured ~0.1x of a level-1
-    step on the 2-core CI box (bench/hsdp.py). This pool does what a caching allocator does, for
-    HSDP's own buffers only and only on the CPU: a block given back after its last use is handed out
-    again to the next request it fits. At most ``keep`` blocks per dtype stay reserved; their bytes
-    are reported by :meth:`reserved_bytes` (bench/hsdp.py prints them beside the model state).
-    Only buffers whose every view is dead at ``give`` time come here (never the reduced output,
-    which gradient shards are views of)."""
-
-    def __init__(self, keep: int = 2):
-        self.keep = keep
-        self.free: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            blocks = self.free.get((dtype, device), [])
-            fitting = [i for i, b in enumerate(blocks) if b.numel() >= numel]
-            if fitting:
-                block = blocks.pop(min(fitting, key=lambda i: blocks[i].numel()))
-                return block[:numel]
-        return torch.empty(numel, dtype=dtype, device=device)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != "cpu":
-            return
-        block = tensor if tensor._base is None else tensor._base
-        blocks = self.free.setdefault((block.dtype, block.device), [])
-        if any(b.data_ptr() == block.data_ptr() for b in blocks):
-            return
-        blocks.append(block)
-        blocks.sort(key=torch.Tensor.numel, reverse=True)
-        del blocks[self.keep :]
-
-    def reserved_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for blocks in self.free.values() for b in blocks)
-
-
-POOL = HostBufferPool()
-
-
-def host_buffer_pool() -> HostBufferPool:
-    """The pool HSDP's collectives use now (``host_buffer_pool().keep = 0`` keeps nothing between uses)."""
-    return POOL
+from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 
 
 def _on_gloo_cpu(tensor: torch.Tensor, group) -> bool:
@@ -111,35 +48,55 @@ def _all_to_all(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, t
     return None
 
 
-def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool, pool: HostBufferPool,
+                   as_all_to_all: bool):
     """``out`` := this rank's chunk of the sum over ``group`` of ``send`` (S chunks, rank-major);
-    returns a handle to wait on when ``async_op``."""
-    if GLOO_REDUCE_SCATTER_AS_ALL_TO_ALL and _on_gloo_cpu(send, group):
-        recv = POOL.take(send.numel(), send.dtype, send.device)
+    returns a handle to wait on when ``async_op``.
+
+    ``as_all_to_all`` (HSDPConfig.gloo_reduce_scatter_as_all_to_all) on gloo with CPU tensors: torch's
+    ``reduce_scatter_tensor`` there clones its input, all-reduces the clone and copies this rank's
+    chunk out: twice the bytes of a reduce-scatter on the wire, plus a copy of the whole buffer. An
+    all-to-all moves exactly the reduce-scatter's bytes ((S-1)/S of the buffer per rank) and each rank
+    then sums the S chunks it received (its own chunk of every rank): measured 18-22 ms against
+    35-40 ms for 13 MB over 4 gloo ranks on the 2-core CI box. Other backends (NCCL, HCCL) have a
+    native reduce-scatter and always use it. The receive buffer comes from ``pool``."""
+    if as_all_to_all and _on_gloo_cpu(send, group):
+        recv = pool.take(send.numel(), send.dtype, send.device)
 
         def sum_chunks():
             torch.sum(recv.view(send.numel() // out.numel(), -1), dim=0, out=out)
-            POOL.give(recv)
+            pool.give(recv)
 
         return _all_to_all(recv, send, group, async_op, sum_chunks)
     return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
 
 
-def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool):
+def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, pool: HostBufferPool,
+               as_all_to_all: bool):
     """``recv`` (S chunks, rank-major) := every member's ``send``; returns a handle to wait on when
-    ``async_op``."""
-    if GLOO_ALL_GATHER_AS_ALL_TO_ALL and _on_gloo_cpu(send, group):
+    ``async_op``.
+
+    ``as_all_to_all`` (HSDPConfig.gloo_all_gather_as_all_to_all) on gloo with CPU tensors: gloo's
+    all-gather is a ring of S-1 steps, each waiting for the neighbour's previous one; on a host with
+    more ranks than cores every step waits for a rank to be scheduled again. An all-to-all of the
+    shard repeated S times moves the same bytes in one round of pairwise exchanges: measured for
+    13 MB over 4 gloo ranks on the 2-core CI box, bare, 12-15 ms (the repeat copy included) against
+    16-22 ms; inside a level-3 step the difference is larger (bench/hsdp.py, ``-gloo`` rows). The
+    repeated copy comes from ``pool``."""
+    if as_all_to_all and _on_gloo_cpu(send, group):
         S = recv.numel() // send.numel()
-        repeated = POOL.take(recv.numel(), send.dtype, send.device)
+        repeated = pool.take(recv.numel(), send.dtype, send.device)
         repeated.view(S, -1).copy_(send.expand(S, -1))
-        return _all_to_all(recv, repeated, group, async_op, lambda: POOL.give(repeated))
+        return _all_to_all(recv, repeated, group, async_op, lambda: pool.give(repeated))
     return dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
 
 class Bucket:
-    def __init__(self, params: list[HSDPParam], mesh: HSDPMesh, grad_scale: float):
+    def __init__(self, params: list[HSDPParam], mesh: HSDPMesh, config: HSDPConfig, pool: HostBufferPool):
         self.params = params
         self.mesh = mesh
+        self.config = config
+        self.pool = pool
         self.sharded = params[0].sharded
         self.S = mesh.shard_size if self.sharded else 1
         self.offsets = []
@@ -151,7 +108,7 @@ class Bucket:
         self.device = params[0].device
         self.compute_dtype = params[0].compute_dtype
         self.reduce_dtype = params[0].reduce_dtype
-        self.scale = grad_scale / mesh.dp_size  # gradients are averaged over data parallel, then scaled
+        self.scale = config.grad_scale / mesh.dp_size  # gradients are averaged over data parallel, then scaled
         self.ready: set[int] = set()
         self._gather = None
         self._reduce = None
@@ -218,8 +175,8 @@ class _Shared:
     """One all-gather serving one or several buckets: waited once; its receive buffer goes back to
     the pool when the last bucket has read its part."""
 
-    def __init__(self, work, recv: torch.Tensor, readers: int):
-        self.work, self.recv, self.readers = work, recv, readers
+    def __init__(self, work, recv: torch.Tensor, readers: int, pool: HostBufferPool):
+        self.work, self.recv, self.readers, self.pool = work, recv, readers, pool
 
     def wait(self) -> None:
         if self.work is not None:
@@ -229,16 +186,19 @@ class _Shared:
     def done_reading(self) -> None:
         self.readers -= 1
         if self.readers == 0:
-            POOL.give(self.recv)
+            self.pool.give(self.recv)
             self.recv = None
 
 
 def _fusable(buckets: list[Bucket], dtype_of) -> list[list[Bucket]]:
-    """Buckets that can share one collective: same kind (sharded or not), dtype, device, groups."""
+    """Buckets that can share one collective: same kind (sharded or not), dtype, device, groups, and
+    the same buffer pool and gloo switches (a fused collective runs with its first bucket's, so
+    units wrapped with different settings never share one)."""
     groups: dict[tuple, list[Bucket]] = {}
     for b in buckets:
         key = (b.sharded, dtype_of(b), b.device, id(b.mesh.shard_group), id(b.mesh.dp_group),
-               id(b.mesh.replicate_group), b.S)
+               id(b.mesh.replicate_group), b.S, id(b.pool), b.config.gloo_reduce_scatter_as_all_to_all,
+               b.config.gloo_all_gather_as_all_to_all)
         groups.setdefault(key, []).append(b)
     return list(groups.values())
 
@@ -254,9 +214,10 @@ def _start_gathering(members: list[Bucket], async_op: bool) -> None:
     for b in members:
         b.pack_params(send[offset : offset + b.L])
         offset += b.L
-    recv = POOL.take(head.S * total, head.compute_dtype, head.device)
-    work = all_gather(recv, send, head.mesh.shard_group, async_op)
-    shared = _Shared(work, recv, readers=len(members))
+    recv = head.pool.take(head.S * total, head.compute_dtype, head.device)
+    work = all_gather(recv, send, head.mesh.shard_group, async_op, head.pool,
+                      head.config.gloo_all_gather_as_all_to_all)
+    shared = _Shared(work, recv, readers=len(members), pool=head.pool)
     blocks = recv.view(head.S, total)
     offset = 0
     for b in members:
@@ -288,7 +249,7 @@ class _Reduction:
         self.members = members
         total = sum(b.L for b in members)
         if head.sharded:
-            send = POOL.take(head.S * total, head.reduce_dtype, head.device)
+            send = head.pool.take(head.S * total, head.reduce_dtype, head.device)
         else:  # all-reduced in place: the buffer becomes the gradients (not pooled)
             send = torch.empty(head.S * total, dtype=head.reduce_dtype, device=head.device)
         blocks = send.view(head.S, total)
@@ -298,7 +259,8 @@ class _Reduction:
             offset += b.L
         if head.sharded:
             self.out = torch.empty(total, dtype=head.reduce_dtype, device=head.device)
-            self.work = reduce_scatter(self.out, send, head.mesh.shard_group, async_op)
+            self.work = reduce_scatter(self.out, send, head.mesh.shard_group, async_op, head.pool,
+                                       head.config.gloo_reduce_scatter_as_all_to_all)
             self.send = send
         else:
             self.out = send
@@ -309,7 +271,7 @@ class _Reduction:
         if self.work is not None:
             self.work.wait()
         if self.send is not None:
-            POOL.give(self.send)
+            self.head.pool.give(self.send)
         head, out = self.head, self.out
         hybrid = head.sharded and head.mesh.replicas > 1
         if hybrid:
@@ -329,17 +291,18 @@ def reduce_fused(buckets: list[Bucket]) -> None:
         _Reduction(members, async_op=False).finish()
 
 
-def make_buckets(params: list[HSDPParam], mesh: HSDPMesh, bucket_bytes: int | None, grad_scale: float) -> list[Bucket]:
+def make_buckets(params: list[HSDPParam], mesh: HSDPMesh, config: HSDPConfig, pool: HostBufferPool) -> list[Bucket]:
     """Buckets in backward order (the reverse of registration), never mixing sharded with
-    replicated parameters or different dtypes. ``bucket_bytes``: None one bucket per kind, 0 one
-    bucket per parameter, else a bucket closes once it holds that many bytes."""
+    replicated parameters or different dtypes. ``config.bucket_bytes()``: None one bucket per kind,
+    0 one bucket per parameter, else a bucket closes once it holds that many bytes."""
+    bucket_bytes = config.bucket_bytes()
     buckets: list[Bucket] = []
     open_: dict[tuple, list[HSDPParam]] = {}
     sizes: dict[tuple, int] = {}
 
     def close(key):
         if open_.get(key):
-            buckets.append(Bucket(open_.pop(key), mesh, grad_scale))
+            buckets.append(Bucket(open_.pop(key), mesh, config, pool))
             sizes.pop(key, None)
 
     for p in reversed(params):

@@ -8,15 +8,22 @@ parameters is a 1-D mesh over the shard group, or a 2-D (replicate, shard) mesh 
 Groups are created with ``new_subgroups_by_enumeration`` from the list of every rank's
 data-parallel group, gathered from all ranks, so that a data-parallel group that is itself a
 subgroup (Megatron's, next to TP and PP) is cut the same way on every rank without deadlock.
+
+A mesh also owns the default host buffer pool of the collectives over its groups. Meshes are cached
+per group and shard size, so the units of one model (wrapped one call each) share one pool: their
+collectives can be fused into one, and what stays reserved is bounded by one pool's ``keep`` rather
+than by ``keep`` per unit.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 
 
 @dataclass
@@ -28,6 +35,7 @@ class HSDPMesh:
     dp_size: int
     shard_size: int
     shard_rank: int
+    pool: HostBufferPool = field(default_factory=HostBufferPool, compare=False)
 
     @property
     def replicas(self) -> int:

@@ -26,6 +26,7 @@ from hyper_adaptor.parallel.hsdp._bucket import Bucket, gather_fused, make_bucke
 from hyper_adaptor.parallel.hsdp._config import HSDPConfig
 from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
 from hyper_adaptor.parallel.hsdp._param import HSDPParam
+from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 
 # The states taking part in the backward pass now running (one list per process: autograd runs one
 # backward at a time on the thread that started it).
@@ -43,13 +44,47 @@ def mark_stale(params) -> None:
 
 
 def _mark_stale(optimizer, args, kwargs) -> None:
-    # A DTensor updated in place does not move the version counter of the local tensor it wraps,
-    # so staleness is told by the optimizer itself: any torch optimizer step (Megatron's optimizers
-    # step a torch one inside) marks the HSDP parameters it holds for a fresh gather.
     mark_stale(p for group in optimizer.param_groups for p in group["params"])
 
 
-register_optimizer_step_post_hook(_mark_stale)
+# How levels 1/2 learn that an optimizer step changed a shard. Not from a version counter: measured on
+# torch 2.13, a foreach or fused step (the default on accelerators) of DTensor parameters moves the
+# version of neither the DTensor nor its local tensor, and a single-tensor step only the DTensor's.
+# Not from a hook on each optimizer either: HSDP never sees the optimizer, which is built after
+# wrapping, by user code or inside Megatron's optimizer wrappers (which step a torch one). So torch's
+# process-wide step post-hook marks the HSDP parameters an optimizer holds, but it is held only
+# while an HSDPState exists: registered by the first, removed when the last is garbage collected
+# (with its module). Importing HSDP registers nothing; with no module wrapped, optimizers pay nothing.
+_STEP_HOOK: dict = {"states": 0, "handle": None}
+
+
+def _hold_step_hook() -> None:
+    # counted before the handle is looked at: a finalizer that the garbage collector runs in
+    # between then sees this state as live and does not remove the hook under it
+    _STEP_HOOK["states"] += 1
+    if _STEP_HOOK["handle"] is None:
+        _STEP_HOOK["handle"] = register_optimizer_step_post_hook(_mark_stale)
+
+
+def _release_step_hook() -> None:
+    _STEP_HOOK["states"] -= 1
+    if _STEP_HOOK["states"] == 0 and _STEP_HOOK["handle"] is not None:
+        handle, _STEP_HOOK["handle"] = _STEP_HOOK["handle"], None
+        handle.remove()
+
+
+def _weakly(method):
+    """``method`` called through a weak reference to its object. Torch keeps a tensor's
+    post-accumulate-grad hooks on its C++ side, where the garbage collector does not look: a hook
+    bound to the state would keep the state, its module and every full parameter alive for ever."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _managed_registrations(module: nn.Module) -> list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]]:
@@ -67,16 +102,18 @@ def _managed_registrations(module: nn.Module) -> list[tuple[nn.Parameter, list[t
 
 
 class HSDPState:
-    def __init__(self, module: nn.Module, config: HSDPConfig, mesh: HSDPMesh, device: torch.device):
+    def __init__(self, module: nn.Module, config: HSDPConfig, mesh: HSDPMesh, device: torch.device,
+                 pool: HostBufferPool):
         self.module = module
         self.config = config
         self.mesh = mesh
+        self.pool = pool
         self.params: list[HSDPParam] = []
         for param, owners in _managed_registrations(module):
             hp = HSDPParam(param, owners, config, mesh, device)
             hp.register_sharded()
             self.params.append(hp)
-        self.buckets: list[Bucket] = make_buckets(self.params, mesh, config.bucket_bytes(), config.grad_scale)
+        self.buckets: list[Bucket] = make_buckets(self.params, mesh, config, pool)
         self._bucket_of: dict[int, Bucket] = {}
         for bucket in self.buckets:
             for p in bucket.params:
@@ -100,9 +137,11 @@ class HSDPState:
         ]
         for p in self.params:
             if p.full.requires_grad:
-                self._handles.append(p.full.register_post_accumulate_grad_hook(self._after_accumulate))
+                self._handles.append(p.full.register_post_accumulate_grad_hook(_weakly(self._after_accumulate)))
         self._handles.append(module.register_load_state_dict_post_hook(self._after_load))
         ALL_STATES.add(self)
+        _hold_step_hook()
+        weakref.finalize(self, _release_step_hook)
 
     # -- gathering -------------------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

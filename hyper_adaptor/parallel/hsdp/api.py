@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from hyper_adaptor import platform
 from hyper_adaptor.parallel.hsdp._config import HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
 from hyper_adaptor.parallel.hsdp._mesh import build_mesh
+from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 from hyper_adaptor.parallel.hsdp._state import HSDPState, sync_all
 
 
@@ -83,11 +84,14 @@ def _states_of(cells, method: str) -> list[HSDPState]:
     return [cell._hsdp_state for cell in cells]
 
 
-def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int) -> nn.Module:
+def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int,
+          buffer_pool: HostBufferPool | None) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise ValueError(f"hsdp: module must be a torch.nn.Module; got {type(module).__name__}")
     if isinstance(module, HSDPModule):
         raise ValueError(f"hsdp: module {type(module).__name__} is already wrapped")
+    if buffer_pool is not None and not isinstance(buffer_pool, HostBufferPool):
+        raise ValueError(f"hsdp: buffer_pool must be None or a HostBufferPool; got {buffer_pool!r}")
     if not dist.is_initialized():
         raise RuntimeError("hsdp: torch.distributed is not initialized (call init_process_group first)")
     dp_size = dist.get_world_size(group)
@@ -95,7 +99,7 @@ def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int) -> nn.M
     device_type = platform.device_type()
     mesh = build_mesh(group, shard_size, device_type)
     device = torch.device(device_type, platform.device_module().current_device()) if device_type != "cpu" else torch.device("cpu")
-    state = HSDPState(module, config, mesh, device)
+    state = HSDPState(module, config, mesh, device, buffer_pool if buffer_pool is not None else mesh.pool)
     # the outermost wrapped module casts inputs; nested ones are never root
     for sub in module.modules():
         if sub is not module and isinstance(sub, HSDPModule):
@@ -111,7 +115,9 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
          enable_grad_accumulation: bool = False, use_eager_hook: bool = True, grad_scale: float = 1.0,
          reduce_dtype: torch.dtype | None = None, comm_async: bool = False, comm_fusion: bool = False,
          bucket_size: float = -1, *, group: dist.ProcessGroup | None = None,
-         param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
+         param_dtype: torch.dtype | None = None, offload: bool = False,
+         gloo_reduce_scatter_as_all_to_all: bool = True, gloo_all_gather_as_all_to_all: bool = True,
+         buffer_pool: HostBufferPool | None = None) -> nn.Module:
     """Hybrid sharded data parallel over ``group`` (default: the world).
 
     ``optimizer_level``: ``"level1"`` shards optimizer state, ``"level2"`` also gradients,
@@ -120,21 +126,29 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
     ``comm_fusion`` + ``bucket_size`` (KB; -1 one bucket, 0 one per parameter) pack collectives.
     ``comm_async`` overlaps gradient reduction with the rest of backward. Gradients are averaged
     over the data-parallel group, then multiplied by ``grad_scale``, reduced in ``reduce_dtype``.
+    ``gloo_reduce_scatter_as_all_to_all`` / ``gloo_all_gather_as_all_to_all``: on gloo (CPU), run
+    those collectives as an all-to-all (faster there) or, False, as gloo's own. ``buffer_pool``: the
+    :class:`HostBufferPool` this module's collectives take their host buffers from (None: the one
+    shared by every module wrapped over the same groups; ``HostBufferPool(keep=0)`` keeps none).
     """
     config = HSDPConfig(
         shard_size=shard_size, threshold=threshold, optimizer_level=optimizer_level,
         enable_grad_accumulation=enable_grad_accumulation, use_eager_hook=use_eager_hook,
         grad_scale=grad_scale, reduce_dtype=reduce_dtype, param_dtype=param_dtype, comm_async=comm_async,
         comm_fusion=comm_fusion, bucket_size=bucket_size, offload=offload,
+        gloo_reduce_scatter_as_all_to_all=gloo_reduce_scatter_as_all_to_all,
+        gloo_all_gather_as_all_to_all=gloo_all_gather_as_all_to_all,
     )
-    return _wrap(module, config, group, shard_size)
+    return _wrap(module, config, group, shard_size, buffer_pool)
 
 
 def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecisionPolicy | None = None, offload_policy: OffloadPolicy | None = None,
-                comm_fusion: bool = True) -> nn.Module:
+                comm_fusion: bool = True, gloo_reduce_scatter_as_all_to_all: bool = True,
+                gloo_all_gather_as_all_to_all: bool = True, buffer_pool: HostBufferPool | None = None) -> nn.Module:
     """FSDP2-style entry: ``reshard_after_forward=True`` is level 3, False level 2; ``mesh`` is a
-    1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) one (HSDP); None: the world."""
+    1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) one (HSDP); None: the world. The
+    gloo switches and ``buffer_pool`` are :func:`hsdp`'s."""
     if mesh is None:
         group, shard_size = None, -1
     elif mesh.ndim == 1:
@@ -155,9 +169,10 @@ def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = T
         shard_size=shard_size, threshold=0, optimizer_level="level3" if reshard_after_forward else "level2",
         enable_grad_accumulation=True, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
         cast_forward_inputs=mp.cast_forward_inputs, comm_fusion=comm_fusion, bucket_size=-1,
-        offload=offload_policy is not None,
+        offload=offload_policy is not None, gloo_reduce_scatter_as_all_to_all=gloo_reduce_scatter_as_all_to_all,
+        gloo_all_gather_as_all_to_all=gloo_all_gather_as_all_to_all,
     )
-    return _wrap(module, config, group, shard_size)
+    return _wrap(module, config, group, shard_size, buffer_pool)
 
 
 def _flat_group(mesh) -> dist.ProcessGroup:

@@ -1,20 +1,20 @@
-"""Import-time shims: megatron-core 0.19.2 imports on Python 3.11 without triton.
+"""Import-time shims: megatron-core 0.19.x imports on Python 3.11 without triton.
 
-These run before megatron is imported, so they cannot be Patches (a Patch rebinds a name that
-exists; these provide names that do not exist yet) — each is the smallest addition that lets the
-import succeed, and each is a no-op where the real thing is present.
+These are applied before megatron is imported, as patches of their own kinds: ``provide`` for a name
+the standard library lacks, ``module`` for a megatron module that cannot be imported here. Each is
+the smallest addition that lets the import succeed, and none is registered where the real thing is
+present.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import importlib.util
-import logging
 import sys
 import typing
 
-logger = logging.getLogger("hyper_adaptor.compat")
+from hyper_adaptor.patch_manager import Patch
+
+FEATURE = "compat"
 
 # The one module on megatron.core's import path that needs triton: it is reached from
 # pipeline_parallel/schedules.py through moe/paged_stash.py, so `import megatron.core` fails without it.
@@ -28,14 +28,6 @@ def _identity_override(method):
     except (AttributeError, TypeError):
         pass
     return method
-
-
-def install_typing_override() -> bool:
-    """megatron.training does ``from typing import override`` (Python 3.12+)."""
-    if hasattr(typing, "override"):
-        return False
-    typing.override = _identity_override
-    return True
 
 
 class _TritonKernelUnavailable:
@@ -54,43 +46,33 @@ class _TritonKernelUnavailable:
         )
 
 
-class _PagedStashStandIn(importlib.abc.Loader, importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != TRITON_ONLY_MODULE:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec):
-        return None
-
-    def exec_module(self, module):
-        # GLOBAL_BLOCK_SIZE is the page-size constant the real module exports (a plain int).
-        module.GLOBAL_BLOCK_SIZE = 1024
-        module.paged_stash_copy_kernel = _TritonKernelUnavailable("paged_stash_copy_kernel")
-        module.paged_stash_pop_kernel = _TritonKernelUnavailable("paged_stash_pop_kernel")
-        module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
-        module.HYPER_ADAPTOR_STAND_IN = True
+def fill_paged_stash(module) -> None:
+    """The stand-in's contents: the names megatron imports from the real module."""
+    # GLOBAL_BLOCK_SIZE is the page-size constant the real module exports (a plain int).
+    module.GLOBAL_BLOCK_SIZE = 1024
+    module.paged_stash_copy_kernel = _TritonKernelUnavailable("paged_stash_copy_kernel")
+    module.paged_stash_pop_kernel = _TritonKernelUnavailable("paged_stash_pop_kernel")
+    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
 
 
-_STAND_IN = _PagedStashStandIn()
+def patches() -> list[Patch]:
+    """The import shims this interpreter needs (none on Python >= 3.12 with triton installed)."""
+    result = []
+    if not hasattr(typing, "override"):  # megatron.training does `from typing import override`
+        result.append(Patch("typing.override", _identity_override, "provide", FEATURE, rebind_in=()))
+    if importlib.util.find_spec("triton") is None and TRITON_ONLY_MODULE not in sys.modules:
+        # without triton, its kernels raise a clear error when called; importing the module works
+        result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))
+    return result
 
 
-def install_triton_stand_in() -> bool:
-    """Without triton, serve megatron's triton-only paged-stash module as a stand-in whose kernels
-    raise a clear error when called. With triton installed nothing changes."""
-    if importlib.util.find_spec("triton") is not None or _STAND_IN in sys.meta_path:
-        return False
-    sys.meta_path.insert(0, _STAND_IN)
-    return True
+def install():
+    """For code that imports megatron.core without the adaptor (dataset tools, benchmarks): apply the
+    import shims with a patch manager of their own and return it (``.undo()`` takes them back). The
+    adaptor's bootstrap registers none of them again once they are in place."""
+    from hyper_adaptor.patch_manager import PatchManager
 
-
-def install() -> list[str]:
-    """Install every import shim this interpreter needs; returns the notices to log."""
-    notices = []
-    if install_typing_override():
-        notices.append("Python < 3.12: provided typing.override for megatron.training")
-    if install_triton_stand_in():
-        notices.append(
-            f"triton not installed: {TRITON_ONLY_MODULE} is a stand-in (MoE paged stash unavailable)"
-        )
-    return notices
+    manager = PatchManager()
+    manager.register_all(patches())
+    manager.apply()
+    return manager

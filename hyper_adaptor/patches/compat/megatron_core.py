@@ -5,7 +5,6 @@ Each patch wraps the smallest seam; none copies a megatron function.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
@@ -26,60 +25,38 @@ def set_device_rng_state_on_host(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-class _HostForkNotice(logging.Filter):
-    """The tracker warns when the CPU RNG moves inside a fork; with the host generator *being* the
-    device generator that is the point of forking, so that one warning is dropped."""
-
-    def filter(self, record):
-        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+HOST_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 
 
-_HOST_FORK_FILTER = _HostForkNotice()
+class _LoggerWithoutHostForkWarning(logging.LoggerAdapter):
+    """megatron's RNG module logs through its module logger; this adapter drops the one warning above
+    and passes the rest on. (A Patch on the module's ``logging`` name, not a filter added to the
+    process-wide logger, so that describe lists it and undo removes it.)"""
+
+    def log(self, level, msg, *args, **kwargs):
+        if HOST_FORK_WARNING not in str(msg):
+            self.logger.log(level, msg, *args, **kwargs)
 
 
-def install_rng_log_filter():
-    logging.getLogger(RNG_MODULE).addFilter(_HOST_FORK_FILTER)
+class _LoggingWithoutHostForkWarning:
+    """Stands for the ``logging`` module inside megatron's RNG module, which calls
+    ``logging.getLogger(__name__).warning(...)`` at the fork's exit."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def getLogger(self, name=None):  # noqa: N802  (logging's own name)
+        logger = self._real.getLogger(name)
+        return _LoggerWithoutHostForkWarning(logger, {}) if name == RNG_MODULE else logger
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
 
 
 # --- type-name checks ------------------------------------------------------------------------
-_LEGACY_TYPE_NAME = {
-    torch.float32: "torch.cuda.FloatTensor",
-    torch.float16: "torch.cuda.HalfTensor",
-    torch.bfloat16: "torch.cuda.BFloat16Tensor",
-}
-_type_view_depth = 0
-
-
-@contextlib.contextmanager
-def device_type_names():
-    """While active, ``tensor.type()`` (no argument) names host float tensors as their CUDA
-    type: megatron's optimizers and grad clipping sort parameters by comparing that string with
-    'torch.cuda.FloatTensor' and friends. Only the functions wrapped by :func:`_with_device_type_names`
-    run under it, so nothing else sees the changed answer."""
-    global _type_view_depth
-    original = torch.Tensor.__dict__.get("type")
-    inherited_type = torch._C.TensorBase.type
-    if _type_view_depth == 0:
-
-        def type_(self, dtype=None, non_blocking=False, **kwargs):
-            if dtype is None and not kwargs and self.device.type == "cpu" and self.dtype in _LEGACY_TYPE_NAME:
-                return _LEGACY_TYPE_NAME[self.dtype]
-            return inherited_type(self, dtype, non_blocking, **kwargs) if dtype is not None else inherited_type(self)
-
-        torch.Tensor.type = type_
-    _type_view_depth += 1
-    try:
-        yield
-    finally:
-        _type_view_depth -= 1
-        if _type_view_depth == 0:
-            if original is None:
-                del torch.Tensor.type
-            else:
-                torch.Tensor.type = original
-
-
 def _with_device_type_names(original):
+    from hyper_adaptor.patches.compat.torch_cpu import device_type_names
+
     @functools.wraps(original)
     def under_device_type_names(*args, **kwargs):
         with device_type_names():
@@ -171,5 +148,6 @@ def patches(device_type: str) -> list[Patch]:
     ]
     if device_type == "cpu":
         result.append(Patch(f"{RNG_MODULE}._set_cuda_rng_state", set_device_rng_state_on_host, "replace", FEATURE))
+        result.append(Patch(f"{RNG_MODULE}.logging", _LoggingWithoutHostForkWarning, "wrap", FEATURE, rebind_in=()))
         result += [Patch(t, _with_device_type_names, "wrap", FEATURE) for t in TYPE_CHECKING_FUNCTIONS]
     return result

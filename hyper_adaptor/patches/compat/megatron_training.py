@@ -9,6 +9,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -42,6 +45,40 @@ def _skip_make_when_prebuilt(original):
         return original(*args, **kwargs)
 
     return compile_helpers
+
+
+def _datasets_dir() -> Path | None:
+    spec = importlib.util.find_spec("megatron.core.datasets")
+    return Path(spec.origin).parent if spec is not None and spec.origin else None
+
+
+def dataset_helpers_problem(datasets_dir: Path | None = None, python3: str | None = None) -> str | None:
+    """None when megatron's dataset helpers are built or can be; else what is wrong and the fix.
+
+    A Megatron-LM checkout has no prebuilt ``helpers_cpp``: rank 0 runs ``make`` in
+    megatron/core/datasets at start-up, whose Makefile asks ``python3 -m pybind11 --includes`` of the
+    ``python3`` on PATH. Without pybind11 there every rank dies: rank 0 with a compiler error, the
+    others with a gloo "connection closed" cascade. Said here, on every rank, before megatron tries."""
+    datasets_dir = datasets_dir or _datasets_dir()
+    if datasets_dir is None or any(datasets_dir.glob("helpers_cpp*.so")) or any(datasets_dir.glob("helpers_cpp*.pyd")):
+        return None
+    where = f"megatron's dataset helpers ({datasets_dir}/helpers.cpp) are not built"
+    if not (datasets_dir / "Makefile").is_file():
+        return f"{where} and there is no Makefile to build them with; reinstall megatron-core or use a full checkout"
+    python3 = python3 or shutil.which("python3")
+    if python3 is None:
+        return f"{where}, and megatron builds them with `python3 -m pybind11`, but there is no python3 on PATH"
+    try:
+        probe = subprocess.run([python3, "-m", "pybind11", "--includes"], capture_output=True, text=True, timeout=120)
+        failed = probe.returncode != 0
+        why = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    except (OSError, subprocess.TimeoutExpired) as error:
+        failed, why = True, repr(error)
+    if not failed:
+        return None
+    return (f"{where}, and megatron cannot build them at start-up: `python3 -m pybind11` fails for the "
+            f"python3 on PATH ({python3}: {why}). Fix: `{python3} -m pip install pybind11` (megatron's "
+            f"Makefile uses that python3), or build them once with `make -C {datasets_dir}`")
 
 
 _BIAS_FUSIONS = ("bias_gelu_fusion", "bias_swiglu_fusion", "bias_dropout_fusion")

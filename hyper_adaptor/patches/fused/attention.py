@@ -74,7 +74,6 @@ def _wrap_forward(original):
                 return run()
         return run()
 
-    forward.__hyper_adaptor_original__ = original
     return forward
 
 

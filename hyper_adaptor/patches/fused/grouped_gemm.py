@@ -147,7 +147,6 @@ def _wrap_forward(original):
             return original(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         return grouped_experts_forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
 
-    forward.__hyper_adaptor_original__ = original
     return forward
 
 

@@ -26,7 +26,6 @@ def _wrap_apply_rotary_pos_emb(original):
         return apply_rotary(t, freqs, interleaved=bool(config.rotary_interleaved),
                             mla_interleaved=bool(mla_rotary_interleaved), mscale=mscale)
 
-    apply_rotary_pos_emb.__hyper_adaptor_original__ = original
     return apply_rotary_pos_emb
 
 

@@ -179,15 +179,32 @@ def _cut_piece(piece, data, start, rows, replica, full_shape):
     return _place_rows(piece, local, a - lo, b - a, _replica(piece.replica_id, replica))
 
 
-def install_localized_sharded_state_dict(module: torch.nn.Module) -> None:
-    """Make ``module.sharded_state_dict`` (megatron calls it on the unwrapped model) localize."""
-    original = module.sharded_state_dict
+class _Localizing:
+    """A model chunk as ``generate_state_dict`` sees it: its ``sharded_state_dict`` localized, every
+    other attribute the chunk's own."""
+
+    def __init__(self, chunk):
+        self._chunk = chunk
+
+    def sharded_state_dict(self, *args, **kwargs):
+        return localize_sharded_state_dict(self._chunk.sharded_state_dict(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._chunk, name)
+
+
+def localized_state_dict(original):
+    """megatron.training builds every checkpoint's description (save, and the template a load fills)
+    in ``generate_state_dict``, which calls ``sharded_state_dict`` on each unwrapped model chunk and
+    then hands the result to the optimizer's. Localize the model's entries there, before the
+    optimizer maps its state onto them — a wrap of that one function rather than a method set on
+    each model instance (which the patch manager could neither list nor undo)."""
 
     @functools.wraps(original)
-    def sharded_state_dict(*args, **kwargs):
-        return localize_sharded_state_dict(original(*args, **kwargs))
+    def generate_state_dict(args, model, *rest, **kwargs):
+        return original(args, [_Localizing(chunk) for chunk in model], *rest, **kwargs)
 
-    module.sharded_state_dict = sharded_state_dict
+    return generate_state_dict
 
 
 # -- optimizer: parameter ids -> local entries ----------------------------------------------------

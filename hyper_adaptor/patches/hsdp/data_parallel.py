@@ -21,10 +21,9 @@ from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.utils import unwrap_model
 
 from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream, mark_stale
-from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict, install_localized_sharded_state_dict
+from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict
 
 
 def make_wrapper_class(hsdp_kwargs: dict) -> type:
@@ -45,8 +44,6 @@ def make_wrapper_class(hsdp_kwargs: dict) -> type:
             for layer in [m for m in module.modules() if isinstance(m, TransformerLayer)]:
                 hsdp(layer, group=group, **hsdp_kwargs)
             hsdp(module, group=group, **hsdp_kwargs)
-            # megatron's checkpointing calls sharded_state_dict on the unwrapped model
-            install_localized_sharded_state_dict(unwrap_model(module))
             # megatron's schedules keep every micro-batch but the last local through this.
             config.no_sync_func = self.no_sync
 

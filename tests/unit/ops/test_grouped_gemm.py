@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron imports on CPU)
 from hyper_adaptor.features.base import FeatureConfigError
-from hyper_adaptor.features.moe_grouped_gemm import ASKED, MoEGroupedGEMM
+from hyper_adaptor.features.base import HIDDEN, restore_hidden
+from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
 from hyper_adaptor.ops import backend as ops_backend
 from hyper_adaptor.ops import grouped_gemm as gg
 from hyper_adaptor.ops.grouped_gemm import grouped_gemm, grouped_gemm_op
@@ -333,10 +334,11 @@ def test_feature_needs_experts_and_stands_aside_for_transformer_engine():
 
 def test_feature_hides_the_flag_from_megatrons_check_and_restores_it():
     feature, args = MoEGroupedGEMM(), _args()
-    feature.validate(args)
-    assert args.moe_grouped_gemm is False and getattr(args, ASKED) is True
+    notices = feature.adjust(args)
+    assert len(notices) == 1 and "--moe-grouped-gemm" in notices[0]
+    assert args.moe_grouped_gemm is False and getattr(args, HIDDEN) == {"moe_grouped_gemm": True}
     assert feature.is_enabled(args)  # still requested while megatron validates
-    feature.on_applied(args)
+    restore_hidden(args)
     assert args.moe_grouped_gemm is True
 
 

@@ -1,5 +1,8 @@
 """CPU as Megatron's "cuda" device: what level 0 patches in torch on a process without an accelerator.
 
+(These are patches, so they live here and go through the patch manager; ``platform/`` only says which
+device this process uses.)
+
 megatron-core addresses its device through ``torch.cuda`` (about 200 ``current_device()`` calls,
 ``device="cuda"`` literals, streams, events, RNG state). On a CPU-only build those calls assert or,
 worse, are queued lazily and never run (``torch.cuda.manual_seed``), which silently disables the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import types
 
@@ -265,5 +269,43 @@ def torch_patches() -> list[Patch]:
         Patch("torch.Tensor.to", _tensor_to, "wrap", FEATURE, rebind_in=no_rebind),
         Patch("torch.Tensor.cuda", _tensor_cuda, "replace", FEATURE, rebind_in=no_rebind),
         Patch("torch.Tensor.pin_memory", _tensor_pin_memory, "replace", FEATURE, rebind_in=no_rebind),
+        Patch("torch.Tensor.type", _tensor_type, "replace", FEATURE, rebind_in=no_rebind),
+        # megatron.training asserts this CUDA launch-queue setting for TP / CP on pre-Blackwell
+        # devices (compute capability < 10, which the host reports); on the host it means nothing.
+        Patch("os.environ.CUDA_DEVICE_MAX_CONNECTIONS", "1", "item", FEATURE),
     ]
     return patches
+
+
+# --- legacy type names ---------------------------------------------------------------------------
+_LEGACY_TYPE_NAME = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+_INHERITED_TYPE = torch._C.TensorBase.type
+_device_type_names = threading.local()
+
+
+@contextlib.contextmanager
+def device_type_names():
+    """While active (on this thread), ``tensor.type()`` with no argument names host float tensors as
+    their CUDA type: megatron's optimizers and grad clipping sort parameters by comparing that string
+    with 'torch.cuda.FloatTensor' and friends. Only the megatron functions wrapped with it (see
+    megatron_core.py) run under it, so nothing else sees the changed answer."""
+    depth = getattr(_device_type_names, "depth", 0)
+    _device_type_names.depth = depth + 1
+    try:
+        yield
+    finally:
+        _device_type_names.depth = depth
+
+
+def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+    # Installed once (a Patch, so describe lists it and undo removes it) rather than swapped in and
+    # out around each call: it answers differently only inside device_type_names().
+    if dtype is None and not kwargs:
+        if getattr(_device_type_names, "depth", 0) and self.device.type == "cpu" and self.dtype in _LEGACY_TYPE_NAME:
+            return _LEGACY_TYPE_NAME[self.dtype]
+        return _INHERITED_TYPE(self)
+    return _INHERITED_TYPE(self, dtype, non_blocking, **kwargs)

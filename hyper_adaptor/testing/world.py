@@ -4,6 +4,9 @@ Each rank imports the one-line adaptor first (as a pretrain script would), then 
 ``module:function(rank, world_size, **kwargs)``; rank results come back to the parent. A rank that
 raises fails the world with its traceback; a world that does not finish in ``timeout`` seconds is
 killed and reported as a hang — never a stuck CI.
+
+Used by the distributed tests and by the benchmarks. Importing this module imports neither torch nor
+megatron: only the spawned ranks do (the parent needs torch only to read their results back).
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ import importlib
 import io
 import multiprocessing as mp
 import os
+import queue as queue_module
 import socket
+import time
 import traceback
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT / torchrun)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -58,14 +64,17 @@ def _rank_main(rank, world_size, port, target, kwargs, queue):
 
 
 class WorldError(RuntimeError):
-    pass
+    """A rank raised, every rank exited without a result, or the world hung past its timeout."""
 
 
 def run_world(world_size: int, target: str, timeout: float = 300, daemon: bool = True, **kwargs) -> list:
-    """Run ``target`` on ``world_size`` spawned ranks; returns the per-rank results in rank order.
+    """Run ``target`` (``"package.module:function"``, importable by the spawned ranks) on
+    ``world_size`` spawned ranks; returns the per-rank results in rank order.
 
-    ``daemon=False`` for rank code that starts processes of its own (megatron's checkpoint writer
-    does); the ranks are killed at the end either way."""
+    Each rank gets MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE in its environment and one torch
+    thread; ``target`` is called as ``function(rank, world_size, **kwargs)`` and initialises its
+    process group itself. ``daemon=False`` for rank code that starts processes of its own (megatron's
+    checkpoint writer does); the ranks are killed at the end either way."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -76,9 +85,6 @@ def run_world(world_size: int, target: str, timeout: float = 300, daemon: bool =
     for p in procs:
         p.start()
     results, errors = {}, []
-    import queue as queue_module
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(errors) < world_size:

@@ -1,0 +1,8 @@
+"""Helpers shared by the test suite and the benchmarks (``bench/`` never imports ``tests/``).
+
+Nothing here imports megatron when imported; see :mod:`hyper_adaptor.testing.world`.
+"""
+
+from hyper_adaptor.testing.world import WorldError, free_port, run_world
+
+__all__ = ["WorldError", "free_port", "run_world"]

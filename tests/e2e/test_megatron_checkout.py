@@ -1,0 +1,51 @@
+"""End to end from a Megatron-LM checkout, the way MindSpeed's users work: megatron imported from a
+directory on PYTHONPATH with no pip metadata (megatron-core 0.19.1, what branch core_r0.19.0 reports),
+its dataset helpers not prebuilt but compiled at start-up by megatron's own ``make`` with
+``python3 -m pybind11`` from PATH. TP2 x PP2 on 4 CPU processes with the plain Megatron command line:
+the same losses as the pip-installed 0.19.2 wheel (the two releases differ in no file on this path).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_pretrain_gpt import pretrain
+from tests.megatron_trees import source_tree
+
+pytestmark = pytest.mark.e2e
+
+# What a checkout's megatron/core/datasets/Makefile does (written here, not copied): build the
+# pybind11 extension from helpers.cpp with the python3 found on PATH.
+MAKEFILE = """\
+EXT := $(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+helpers_cpp$(EXT): helpers.cpp
+\t$(CXX) -O3 -Wall -shared -std=c++11 -fPIC $(shell python3 -m pybind11 --includes) $< -o $@
+"""
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory):
+    tree = source_tree("0.19.1", tmp_path_factory.mktemp("Megatron-LM"))
+    datasets = tree / "megatron" / "core" / "datasets"
+    for built in datasets.glob("helpers_cpp*"):
+        built.unlink()
+    (datasets / "Makefile").write_text(MAKEFILE)
+    return tree
+
+
+def test_tp2_pp2_from_a_checkout_matches_the_pip_package(checkout):
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--mock-data", "--train-iters", "3"]
+    # python3 on PATH is this interpreter (with pybind11), as in an activated environment
+    env = {"PYTHONPATH": os.pathsep.join([str(checkout), str(Path(__file__).resolve().parents[2])]),
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
+    from_checkout, output = pretrain(4, *layout, env=env)
+    # the adaptor's banner names the megatron-core it adapts and where it came from
+    assert f"megatron-core 0.19.1 (source tree at {checkout / 'megatron' / 'core'})" in output
+    built = list((checkout / "megatron" / "core" / "datasets").glob("helpers_cpp*"))
+    assert built, "megatron's make did not build the dataset helpers"
+    from_wheel, _ = pretrain(4, *layout)
+    assert sorted(from_checkout) == [1, 2, 3]
+    assert from_checkout == from_wheel

@@ -1,0 +1,38 @@
+"""megatron-core releases as a Megatron-LM checkout user has them: a directory on PYTHONPATH holding
+``megatron/`` and no pip metadata. Made from the release wheels (``make setup`` downloads them into
+``<venv>/megatron-releases``; fetched here with pip if missing), the ``*.dist-info`` left out."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+RELEASES = Path(sys.prefix) / "megatron-releases"
+
+
+def wheel(version: str) -> Path:
+    found = sorted(RELEASES.glob(f"megatron_core-{version}-*.whl"))
+    if not found:
+        RELEASES.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--ignore-requires-python",
+                        f"megatron-core=={version}", "-d", str(RELEASES)], check=True, timeout=600)
+        found = sorted(RELEASES.glob(f"megatron_core-{version}-*.whl"))
+    assert found, f"no megatron-core {version} wheel in {RELEASES}"
+    return found[-1]
+
+
+def source_tree(version: str, dest: Path) -> Path:
+    """``dest`` with megatron-core ``version``'s ``megatron/`` package and no pip metadata."""
+    with zipfile.ZipFile(wheel(version)) as archive:
+        members = [m for m in archive.namelist() if m.startswith("megatron/")]
+        archive.extractall(dest, members)
+    assert not list(dest.glob("*.dist-info"))
+    return dest
+
+
+def copy_tree(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
