@@ -62,14 +62,17 @@ def loss_of(model, tokens) -> torch.Tensor:
 def reference(steps: int = STEPS, lr: float = 1e-2) -> dict:
     model = make_model()
     opt = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
-    losses = []
+    losses, first_grads = [], {}
     for step in range(steps):
         opt.zero_grad()
         loss = loss_of(model, batch(step))
         loss.backward()
+        if step == 0:
+            first_grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
         opt.step()
         losses.append(loss.item())
-    return {"loss": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"loss": losses, "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "first_grads": first_grads}
 
 
 def wrap(model, **kwargs):
@@ -112,6 +115,11 @@ def train(model, *, micro_batches: int = 1, steps: int = STEPS, lr: float = 1e-2
 
 
 def compare(ref: dict, losses: list, params: dict, rtol: float = 1e-6, atol: float = 1e-6) -> list[str]:
+    # a run that logged fewer steps or fewer parameters is a difference, never a pass
+    if len(losses) != len(ref["loss"]) or not losses:
+        return [f"{len(losses)} losses logged against the reference's {len(ref['loss'])}"]
+    if set(params) != set(ref["params"]):
+        return [f"parameters {sorted(set(params) ^ set(ref['params']))} on one side only"]
     problems = []
     for step, (want, got) in enumerate(zip(ref["loss"], losses)):
         if abs(want - got) > rtol * abs(want):
@@ -460,16 +468,20 @@ def _bf16_compute() -> dict:
         dtypes.setdefault("fc1", fc1.weight.dtype)
 
     model.blocks[0].fc1.register_forward_pre_hook(record)
-    losses = []
+    losses, first_grads = [], {}
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     for step in range(STEPS):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_of(model, batch(step).chunk(dist.get_world_size())[dist.get_rank()])
         loss.backward()
+        if step == 0:  # the reduced (averaged) gradients, whole, against the fp32 reference's
+            first_grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+                           for name, p in model.named_parameters() if p.grad is not None}
         opt.step()
         total = loss.detach().float()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
     shard_dtype = next(model.parameters()).dtype
-    return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")), "shard_dtype": str(shard_dtype)}
+    return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")), "shard_dtype": str(shard_dtype),
+            "grads": first_grads, "ref_grads": ref["first_grads"]}

@@ -75,12 +75,31 @@ def test_clip_grad_norm_matches_reference(extras, level):
     assert r["max_grad_diff"] < 1e-6
 
 
+BF16_GRAD_RTOL = 3e-2  # per parameter, ||got - want|| / ||want||, first step (same weights on both sides)
+
+
+def _bf16_grad_errors(grads: dict, ref: dict) -> dict:
+    return {name: ((grads[name] - want).norm() / want.norm()).item() for name, want in ref.items()}
+
+
 def test_bf16_compute_with_fp32_master(extras):
     r = extras["bf16"]
     assert r["gathered_dtype"] == "torch.bfloat16" and r["shard_dtype"] == "torch.float32"
+    assert len(r["losses"]) == len(r["ref"]) > 0
     for got, want in zip(r["losses"], r["ref"]):
         assert abs(got - want) <= 3e-2 * abs(want), (r["losses"], r["ref"])
     assert r["losses"] != r["ref"]
+    assert set(r["grads"]) == set(r["ref_grads"]) and r["grads"]
+    errors = _bf16_grad_errors(r["grads"], r["ref_grads"])
+    assert max(errors.values()) <= BF16_GRAD_RTOL, errors
+
+
+def test_bf16_gradient_tolerance_catches_one_gradient_off_by_10_percent(extras):
+    r = extras["bf16"]
+    for name in r["ref_grads"]:
+        for factor in (1.1, 0.9):
+            wrong = dict(r["grads"], **{name: r["grads"][name] * factor})
+            assert _bf16_grad_errors(wrong, r["ref_grads"])[name] > BF16_GRAD_RTOL, (name, factor)
 
 
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])

@@ -97,7 +97,8 @@ def test_bf16_matches_megatron_ddp(ddp_bf16, level):
 
 def test_fp16_loss_scaling_matches_megatron_ddp():
     """--fp16 with megatron's dynamic loss scaler: HSDP reduces the fp16 gradients in fp32 (notice),
-    finds inf/nan over the data-parallel group; losses within 1e-4 relative, same loss scale."""
+    finds inf/nan over the data-parallel group; losses within 1e-4 relative, same loss scale, gradient
+    norms within GRAD_NORM_TOLERANCE."""
     flags = ["--fp16", "--initial-loss-scale", "65536", "--train-iters", "5"]
     want, want_output = _run("DP4", flags)
     got, output = _run("DP4", [*flags, "--use-hsdp", "--hsdp-threshold-kb", "0"])
@@ -107,6 +108,11 @@ def test_fp16_loss_scaling_matches_megatron_ddp():
         assert abs(got[it] - want[it]) <= 1e-4 * abs(want[it]), (got, want)
     assert len(LOSS_SCALE.findall(want_output)) == 5
     assert LOSS_SCALE.findall(output) == LOSS_SCALE.findall(want_output)
+    # gradients too: the norm of every step megatron did not skip, the same steps on both sides
+    norms, want_norms = grad_norms(output), grad_norms(want_output)
+    assert sorted(norms) == sorted(want_norms) and want_norms, (norms, want_norms)
+    for it in want_norms:
+        assert abs(norms[it] - want_norms[it]) <= GRAD_NORM_TOLERANCE, (norms, want_norms)
 
 
 # -- checkpoints: save at iteration 3 of 6, resume, compare with the uninterrupted run ---------------
