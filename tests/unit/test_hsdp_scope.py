@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # modules from other tests, and both are what is measured.
 HOOK_LIFECYCLE = r"""
 import gc, json
+import torch
 import torch.distributed as dist
 import torch.optim.optimizer as optimizer_module
 
