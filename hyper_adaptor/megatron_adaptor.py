@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import os
 import sys
 
 import torch  # noqa: F401  (the adaptor is imported after torch, as in Megatron's scripts)

@@ -3,7 +3,6 @@
 import argparse
 import subprocess
 import sys
-import types
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """HSDP bad input: the library's ValueErrors and --use-hsdp's flag errors (one process)."""
 
-import os
 
 import pytest
 import torch
