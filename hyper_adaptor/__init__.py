@@ -7,8 +7,6 @@ is the one line a pretrain script adds. Frameworks that build Megatron's argumen
 
 __version__ = "0.1.0"
 
-from hyper_adaptor.megatron_version import SUPPORTED as SUPPORTED_MEGATRON_CORE  # noqa: E402
-
 
 def adapt(args):
     """Validate ``args`` against the registered features and apply the selected patches.

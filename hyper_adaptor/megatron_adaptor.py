@@ -37,13 +37,6 @@ logger = logging.getLogger("hyper_adaptor")
 FEATURE = "adaptor"
 
 
-def megatron_core_version() -> str | None:
-    """The version of the megatron-core Python imports here (pip metadata or a checkout's
-    package_info.py), or None."""
-    found = megatron_version.detect()
-    return found.version if found is not None else None
-
-
 def _preselected_device() -> str | None:
     """``--device-type`` must be known before megatron is imported, i.e. before argparse runs."""
     argv = sys.argv[1:]

@@ -17,6 +17,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.compat.arguments import switch  # noqa: F401  (the one helper for adjust steps)
 
 LEVEL_NAMES = {0: "compatibility", 1: "affinity (fused kernels)", 2: "algorithms"}
 DEFAULT_LEVEL = 2
@@ -117,13 +118,6 @@ class Feature:
         if self.level > args.optimization_level:
             return False, f"needs --optimization-level >= {self.level}"
         return True, "requested"
-
-
-def switch(args, dest: str, value, why: str) -> str:
-    """Set one of megatron's arguments for an ``adjust`` step; returns its notice, naming the flag."""
-    old = getattr(args, dest, None)
-    setattr(args, dest, value)
-    return f"--{dest.replace('_', '-')}: {old!r} -> {value!r} ({why})"
 
 
 HIDDEN = "hyper_adaptor_hidden"  # {dest: value} of flags hidden from megatron's validate_args

@@ -26,53 +26,57 @@ def have_apex_kernel(name: str) -> bool:
     return _installed(name)
 
 
+def switch(args, dest: str, value, why: str) -> str:
+    """Set one of megatron's arguments (an ``adjust`` step); returns its notice, naming the flag."""
+    old = getattr(args, dest, None)
+    setattr(args, dest, value)
+    return f"--{dest.replace('_', '-')}: {old!r} -> {value!r} ({why})"
+
+
 def switch_unworkable_defaults(args, device_type: str) -> list[str]:
     """Adjust ``args`` in place; returns one notice per switch made."""
     notices = []
 
-    def switch(name, value, why):
-        old = getattr(args, name)
-        setattr(args, name, value)
-        notices.append(f"--{name.replace('_', '-')}: {old!r} -> {value!r} ({why})")
-
     backend = {"cpu": "gloo", "npu": "hccl"}.get(device_type)
     if backend and getattr(args, "distributed_backend", backend) != backend:
-        switch("distributed_backend", backend, f"the {device_type} platform's collective backend")
+        notices.append(switch(args, "distributed_backend", backend, f"the {device_type} platform's collective backend"))
 
     if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_transformer_engine():
-        switch("transformer_impl", "local", "transformer_engine is not installed")
+        notices.append(switch(args, "transformer_impl", "local", "transformer_engine is not installed"))
 
     on_cuda_with = lambda kernel: device_type == "cuda" and have_apex_kernel(kernel)  # noqa: E731
     # megatron derives persist_layer_norm = not no_persist_layer_norm (on by default).
     if not getattr(args, "no_persist_layer_norm", True) and not on_cuda_with("fast_layer_norm"):
-        switch("no_persist_layer_norm", True, "the persistent layer-norm kernel needs apex on CUDA")
+        notices.append(switch(args, "no_persist_layer_norm", True, "the persistent layer-norm kernel needs apex on CUDA"))
 
     # From level 1 on, hyper_adaptor provides the kernel itself (features/grad_accum_fusion.py).
     if getattr(args, "gradient_accumulation_fusion", False) and getattr(args, "optimization_level", 0) < 1 and not (
         on_cuda_with("fused_weight_gradient_mlp_cuda") or (device_type == "cuda" and have_transformer_engine())
     ):
-        switch(
+        notices.append(switch(
+            args,
             "gradient_accumulation_fusion",
             False,
             "its fused weight-gradient kernel needs apex or transformer_engine on CUDA, or --optimization-level >= 1",
-        )
+        ))
 
     # megatron.training's validate_args asserts a CUDA compute capability >= 8 for this flag, which no
     # other platform has; the local spec never calls those kernels (it builds SequentialMLP either way).
     # From level 1 on, hyper_adaptor serves the flag itself (features/moe_grouped_gemm.py).
     below_level_1 = getattr(args, "optimization_level", 0) < 1
     if getattr(args, "moe_grouped_gemm", False) and below_level_1 and device_type != "cuda":
-        switch(
+        notices.append(switch(
+            args,
             "moe_grouped_gemm",
             False,
             "megatron asserts a CUDA compute capability >= 8 for it; megatron's SequentialMLP (per-expert loop) "
             "is used instead; --optimization-level 1 provides a grouped GEMM",
-        )
+        ))
 
     if getattr(args, "masked_softmax_fusion", False) and not on_cuda_with("scaled_masked_softmax_cuda"):
-        switch("masked_softmax_fusion", False, "the fused masked softmax kernel needs apex on CUDA")
+        notices.append(switch(args, "masked_softmax_fusion", False, "the fused masked softmax kernel needs apex on CUDA"))
 
     if getattr(args, "apply_rope_fusion", False) and not (device_type == "cuda" and have_transformer_engine()):
-        switch("apply_rope_fusion", False, "fused RoPE needs transformer_engine on CUDA")
+        notices.append(switch(args, "apply_rope_fusion", False, "fused RoPE needs transformer_engine on CUDA"))
 
     return notices
