@@ -17,7 +17,8 @@ from functools import partial
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core import parallel_state as mpu
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
@@ -33,7 +34,11 @@ def get_batch(data_iterator, vp_stage=None):
     batch = next(data_iterator)
     device = torch.cuda.current_device()
     fields = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-    return tuple(batch[k].to(device, non_blocking=True) if batch.get(k) is not None else None for k in fields)
+    batch = {k: batch[k].to(device, non_blocking=True) if batch.get(k) is not None else None for k in fields}
+    # context parallel: this rank's load-balanced chunks of every sequence (2 x CP chunks, rank r keeps
+    # r and 2 x CP - 1 - r), as Megatron-LM's pretrain_gpt.py does; a no-op at CP 1
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    return tuple(batch[k] for k in fields)
 
 
 def loss_func(loss_mask, output_tensor):

@@ -133,6 +133,8 @@ class Adaptor:
                 notices += feature.adjust(args)
         for feature in FEATURES:
             if feature.level > args.optimization_level and feature.asked_explicitly(args):
+                if feature.refuse_below_level:
+                    raise FeatureConfigError(feature.below_level_error(args))
                 # Not an error: the same command line at a lower level must run, with Megatron's
                 # own behaviour for this feature (issue 3). Said once, naming flag and level.
                 flags = ", ".join(f.name for f in feature.flags)

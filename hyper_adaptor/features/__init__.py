@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, FeatureConfigError, Flag
 from hyper_adaptor.features.compat import Compat
+from hyper_adaptor.features.context_parallel import ContextParallel
 from hyper_adaptor.features.flash_attn import FlashAttention
 from hyper_adaptor.features.fused_backend import FusedBackend
 from hyper_adaptor.features.fused_rmsnorm import FusedRMSNorm
@@ -24,6 +25,7 @@ FEATURES: tuple[Feature, ...] = (
     FlashAttention(),
     GradAccumFusion(),
     MoEGroupedGEMM(),
+    ContextParallel(),
     HSDP(),
 )
 

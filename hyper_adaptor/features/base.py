@@ -64,6 +64,10 @@ class Feature:
     summary: str = ""
     flags: tuple[Flag, ...] = ()
     always_on: bool = False
+    # True for a feature without which megatron cannot run the requested configuration at all (e.g.
+    # context parallel on the local spec): requested below its level it is an error
+    # (``below_level_error``), not the usual "not applied" notice
+    refuse_below_level: bool = False
 
     def requested(self, args) -> bool:
         """True when the user asked for this feature on the command line."""
@@ -73,6 +77,10 @@ class Feature:
 
     def is_enabled(self, args) -> bool:
         return self.requested(args) and self.level <= args.optimization_level
+
+    def below_level_error(self, args) -> str:
+        flags = ", ".join(f.name for f in self.flags)
+        return f"{flags} ({self.name}) needs --optimization-level >= {self.level}; got {args.optimization_level}"
 
     def adjust(self, args) -> list[str]:
         """Change ``args`` where this feature needs megatron to see something else; one notice per change."""

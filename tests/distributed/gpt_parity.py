@@ -25,6 +25,11 @@ LAYERS = 4
 class Layout:
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    # with cp > 1: megatron's --cp-comm-type (p2p / a2a / allgather / a2a+p2p) and, for a2a+p2p, its
+    # --hierarchical-context-parallel-sizes (Ulysses degree, ring size)
+    cp_comm_type: str | None = None
+    hierarchical_cp: list | None = None
     vpp: int | None = None
     sequence_parallel: bool = False
     ddp_overlap: bool = False
@@ -76,6 +81,8 @@ def build(layout: Layout, init_params: dict | None = None):
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        hierarchical_context_parallel_sizes=layout.hierarchical_cp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(layout.seed)
     torch.manual_seed(layout.seed)
@@ -98,6 +105,8 @@ def build(layout: Layout, init_params: dict | None = None):
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        cp_comm_type=layout.cp_comm_type,
         sequence_parallel=layout.sequence_parallel,
         pipeline_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
         params_dtype=torch.bfloat16 if layout.bf16 else torch.float32,
@@ -242,7 +251,11 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
         output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
 
         def loss_func(output_tensor):
-            loss = output_tensor.float().mean()
+            # megatron's two-value loss convention under context parallel (Megatron-LM's pretrain_gpt):
+            # this rank's token-loss sum over the token count of the whole sequence; the schedule
+            # multiplies it by the CP size (in place, so the reported value is this rank's mean) and the
+            # gradients are averaged over data x context
+            loss = output_tensor.float().mean() / layout.cp
             return loss, {"lm loss": loss.detach()}
 
         return output, loss_func
@@ -250,6 +263,12 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
     history = {"loss": [], "grads": [], "params": [], "init": _merge_over_world(_snapshot(chunks, "param"))}
     for step in range(layout.steps):
         micro = _micro_batch_dicts(_batches(step, layout.seed))
+        if layout.cp > 1:
+            # this rank's load-balanced chunks of every sequence, cut as megatron.training cuts them
+            from megatron.core.utils import get_batch_on_this_cp_rank
+
+            micro = [get_batch_on_this_cp_rank(mb, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+                     for mb in micro]
         mine = micro[dp_rank * num_micro : (dp_rank + 1) * num_micro]
         iterators = [iter(list(mine)) for _ in chunks]
         for chunk in chunks:
@@ -269,10 +288,11 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
             loss = torch.stack([d["lm loss"] for d in losses]).sum()
         else:
             loss = torch.zeros(())
-        # the loss lives on the last stage; sum over PP, average over DP
+        # the loss lives on the last stage; sum over PP, average over DP and CP (what each CP rank
+        # reports is the mean over its own, equally many, tokens: see loss_func)
         dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
-        dist.all_reduce(loss, group=ps.get_data_parallel_group())
-        history["loss"].append(loss.item() / dp_size)
+        dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        history["loss"].append(loss.item() / (dp_size * layout.cp))
         if not layout.distributed_optimizer:
             # (the distributed optimizer keeps only its shard of the reduced gradient)
             history["grads"].append(_merge_over_world(_snapshot(chunks, "grad")))

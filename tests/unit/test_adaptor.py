@@ -210,7 +210,8 @@ ALL_FLAGS = (
     "--max-position-embeddings", "32", "--micro-batch-size", "1", "--normalization", "RMSNorm", "--swiglu",
     "--position-embedding-type", "rope", "--use-fused-rmsnorm", "--use-fused-swiglu",
     "--use-fused-rotary-pos-emb", "--use-flash-attn", "--num-experts", "4", "--moe-grouped-gemm",
-    "--fused-backend", "eager", "--use-hsdp", "--fp16",
+    "--fused-backend", "eager", "--use-hsdp", "--fp16", "--context-parallel-size", "2",
+    "--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2", "--attention-dropout", "0",
 )
 
 
@@ -230,10 +231,11 @@ def test_validate_only_checks_and_adjust_says_every_change():
     for dest in changed:  # every change is said, naming the flag
         flag = "--" + dest.replace("_", "-")
         assert any(flag in n for n in notices), (flag, notices)
-    assert {"hsdp_reduce_dtype", "gradient_accumulation_fusion", "moe_grouped_gemm", "distributed_backend"} <= changed
+    assert {"hsdp_reduce_dtype", "gradient_accumulation_fusion", "moe_grouped_gemm", "distributed_backend",
+            "cp_comm_type", "hierarchical_context_parallel_sizes"} <= changed
     adjusted = copy.deepcopy(vars(args))
     enabled = [f for f in features.FEATURES if f.is_enabled(args)]
-    assert {f.name for f in enabled} >= {"compat", "fused_rmsnorm", "moe_grouped_gemm", "hsdp"}
+    assert {f.name for f in enabled} >= {"compat", "fused_rmsnorm", "moe_grouped_gemm", "hsdp", "context_parallel"}
     for feature in reversed(enabled):  # any order
         feature.validate(args)
         assert vars(args) == adjusted, feature.name

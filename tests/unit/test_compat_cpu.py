@@ -167,3 +167,16 @@ def test_dataset_helpers_are_not_rebuilt_with_make():
     utils.compile_helpers()  # would run `make` (no Makefile in the wheel) and fail
     with pytest.raises(SystemExit):
         original("megatron.core.datasets.utils.compile_helpers")()
+
+
+def test_rope_slice_per_context_parallel_rank_runs_on_the_host():
+    """megatron's ``get_pos_emb_on_this_cp_rank`` (CP > 1 with RoPE) builds its chunk index with
+    ``pin_memory=True`` and ``.cuda()``: the host-device mapping serves both, and the rank keeps its two
+    load-balanced chunks (r and 2 x CP - 1 - r)."""
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    cp_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
+    positions = torch.arange(8.0).view(8, 1, 1, 1)
+    assert get_pos_emb_on_this_cp_rank(positions, 0, cp_group).flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(RuntimeError, match="pin_memory"):  # what megatron's index tensor hits unpatched
+        original("torch.tensor")([1, 2], device="cpu", pin_memory=True)

@@ -1,0 +1,179 @@
+"""Level 2 — context parallel on megatron's local spec (``--context-parallel-size N``), no TransformerEngine.
+
+megatron-core 0.19.2 serves context parallel only through TransformerEngine: the local
+``DotProductAttention`` asserts ``context_parallel_size == 1``. This feature serves it with the engines
+in ``hyper_adaptor/parallel/context`` (Ulysses, load-balanced ring, all-gather, hybrid); megatron's own
+CP machinery stays as it is — its batch split per CP rank, its RoPE slice, its loss scaling and its
+gradient reduction over the data x context group.
+
+Two spellings pick the algorithm, so that both MindSpeed's and Megatron's launch scripts run unchanged:
+
+- MindSpeed's ``--context-parallel-algo`` (``ulysses_cp_algo`` / ``megatron_cp_algo`` / ``hybrid_cp_algo``,
+  or ``ulysses`` / ``ring`` / ``hybrid`` / ``allgather``) with ``--ulysses-degree-in-cp K``;
+- Megatron's ``--cp-comm-type`` (TE's names: ``a2a``, ``p2p``, ``allgather``, ``a2a+p2p``) with
+  ``--hierarchical-context-parallel-sizes K CP/K``.
+
+``adjust`` writes the algorithm asked with the first spelling into the second (the one megatron hands
+each layer's core attention), so that megatron also builds the hierarchical (Ulysses x ring) groups the
+hybrid algorithm runs on; ``validate`` refuses the two spellings disagreeing.
+"""
+
+from __future__ import annotations
+
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.patches.context.attention import COMM_TYPE_ALGO
+
+# --context-parallel-algo value -> the algorithm; MindSpeed's names first
+ALGO_NAMES = {
+    "ulysses_cp_algo": "ulysses", "megatron_cp_algo": "ring", "hybrid_cp_algo": "hybrid",
+    "ulysses": "ulysses", "ring": "ring", "hybrid": "hybrid", "allgather": "allgather",
+}
+# the algorithm -> megatron's --cp-comm-type value (COMM_TYPE_ALGO: the other way)
+ALGO_COMM_TYPE = {"ring": "p2p", "ulysses": "a2a", "allgather": "allgather", "hybrid": "a2a+p2p"}
+MEGATRON_DEFAULT_COMM_TYPE = ["p2p"]
+
+
+def cp_size(args) -> int:
+    return int(getattr(args, "context_parallel_size", 1) or 1)
+
+
+def _comm_types(args) -> list[str]:
+    value = getattr(args, "cp_comm_type", None) or MEGATRON_DEFAULT_COMM_TYPE
+    return [value] if isinstance(value, str) else list(value)
+
+
+def _asked_algo(args) -> str | None:
+    name = getattr(args, "context_parallel_algo", None)
+    return None if name is None else ALGO_NAMES[name]
+
+
+def _ulysses_degree(args, algo: str) -> int:
+    """Ranks of one Ulysses all-to-all: the whole CP group for Ulysses, none for ring / all-gather."""
+    size = cp_size(args)
+    if algo == "ulysses":
+        return size
+    if algo == "hybrid":
+        degree = getattr(args, "ulysses_degree_in_cp", None)
+        hier = getattr(args, "hierarchical_context_parallel_sizes", None)
+        return int(degree if degree is not None else (hier[0] if hier else 0))
+    return 1
+
+
+class ContextParallel(Feature):
+    name = "context_parallel"
+    level = 2
+    summary = "context parallel on the local spec: Ulysses, load-balanced ring, all-gather, hybrid (no TE)"
+    flags = (
+        Flag("--context-parallel-size", "megatron's flag; on the local spec served by hyper_adaptor at level 2",
+             owner="megatron"),
+        Flag("--context-parallel-algo",
+             "context-parallel algorithm: ring (default; MindSpeed: megatron_cp_algo), ulysses (ulysses_cp_algo), "
+             "hybrid (hybrid_cp_algo: Ulysses inside groups of --ulysses-degree-in-cp, ring across) or allgather. "
+             "Megatron's --cp-comm-type p2p / a2a / allgather / a2a+p2p selects the same.",
+             {"choices": tuple(ALGO_NAMES), "default": None}),
+        Flag("--ulysses-degree-in-cp", "hybrid: ranks per Ulysses group (divides --context-parallel-size)",
+             {"type": int, "default": None}),
+    )
+    # megatron's local DotProductAttention asserts CP == 1: below level 2 a CP run cannot start, so
+    # asking for it there is an error (naming the level), not the usual "not applied" notice
+    refuse_below_level = True
+
+    def requested(self, args) -> bool:
+        return cp_size(args) > 1 and getattr(args, "transformer_impl", "local") == "local"
+
+    def asked_explicitly(self, args) -> bool:
+        return self.requested(args)
+
+    def below_level_error(self, args) -> str:
+        return (f"--context-parallel-size {cp_size(args)} with --transformer-impl local needs "
+                f"--optimization-level 2 (hyper_adaptor's context parallel; megatron's local attention has none); "
+                f"got --optimization-level {args.optimization_level}")
+
+    def algorithm(self, args) -> str:
+        asked = _asked_algo(args)
+        return asked if asked is not None else COMM_TYPE_ALGO.get(_comm_types(args)[0], "ring")
+
+    def adjust(self, args) -> list[str]:
+        notices = []
+        asked = _asked_algo(args)
+        comm = _comm_types(args)
+        if asked is not None and comm == MEGATRON_DEFAULT_COMM_TYPE and asked != "ring":
+            notices.append(switch(args, "cp_comm_type", [ALGO_COMM_TYPE[asked]],
+                                  f"--context-parallel-algo {args.context_parallel_algo}"))
+        algo = self.algorithm(args)
+        degree = getattr(args, "ulysses_degree_in_cp", None)
+        if algo == "hybrid" and degree and not getattr(args, "hierarchical_context_parallel_sizes", None) \
+                and cp_size(args) % degree == 0:
+            # megatron builds its hierarchical CP groups (Ulysses inner, ring outer) from this flag
+            notices.append(switch(args, "hierarchical_context_parallel_sizes", [degree, cp_size(args) // degree],
+                                  f"--ulysses-degree-in-cp {degree}"))
+        return notices
+
+    def validate(self, args) -> None:
+        size = cp_size(args)
+        asked = _asked_algo(args)
+        comm = _comm_types(args)
+        comm_algos = {COMM_TYPE_ALGO.get(c) for c in comm}
+        unknown = [c for c in comm if c not in ALGO_COMM_TYPE.values() and c != "all_gather"]
+        if unknown:
+            raise FeatureConfigError(f"--cp-comm-type {' '.join(comm)}: unknown value {unknown[0]!r}; "
+                                     f"choose from {', '.join(sorted(ALGO_COMM_TYPE.values()))}")
+        if len(comm_algos) > 1:
+            raise FeatureConfigError(f"--cp-comm-type {' '.join(comm)}: one algorithm for every layer is served "
+                                     "on the local spec; give a single value")
+        if asked is not None and comm_algos != {asked} and comm != MEGATRON_DEFAULT_COMM_TYPE:
+            raise FeatureConfigError(f"--context-parallel-algo {args.context_parallel_algo} and --cp-comm-type "
+                                     f"{' '.join(comm)} ask for different algorithms ({asked} vs "
+                                     f"{comm_algos.pop()}); give one of them, or both alike")
+        algo = self.algorithm(args)
+        degree = getattr(args, "ulysses_degree_in_cp", None)
+        hier = getattr(args, "hierarchical_context_parallel_sizes", None)
+        if degree is not None and (degree < 1 or size % degree):
+            raise FeatureConfigError(f"--ulysses-degree-in-cp {degree} must divide --context-parallel-size {size}")
+        if algo == "hybrid":
+            if degree is None and not hier:
+                raise FeatureConfigError("the hybrid context-parallel algorithm needs --ulysses-degree-in-cp K "
+                                         "(or megatron's --hierarchical-context-parallel-sizes K CP/K)")
+            if hier and (len(hier) != 2 or hier[0] * hier[1] != size):
+                raise FeatureConfigError(f"--hierarchical-context-parallel-sizes {' '.join(map(str, hier))}: "
+                                         f"two sizes (Ulysses, ring) whose product is --context-parallel-size {size}")
+            if hier and degree is not None and hier[0] != degree:
+                raise FeatureConfigError(f"--ulysses-degree-in-cp {degree} and --hierarchical-context-parallel-sizes "
+                                         f"{' '.join(map(str, hier))} disagree (the first size is the Ulysses degree)")
+        elif degree is not None and degree != _ulysses_degree(args, algo):
+            raise FeatureConfigError(f"--ulysses-degree-in-cp {degree} is for the hybrid algorithm; "
+                                     f"the {algo} algorithm was chosen")
+        tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        heads = getattr(args, "num_attention_heads", None)
+        ulysses = _ulysses_degree(args, algo)
+        if heads and ulysses > 1 and (heads % tp or (heads // tp) % ulysses):
+            raise FeatureConfigError(
+                f"--context-parallel-algo {algo}: the attention heads per tensor-parallel rank "
+                f"(--num-attention-heads {heads} / --tensor-model-parallel-size {tp}) must divide by the Ulysses "
+                f"degree {ulysses}")
+        seq = getattr(args, "seq_length", None)
+        if seq and seq % (2 * size):
+            raise FeatureConfigError(f"--seq-length {seq} must be a multiple of 2 x --context-parallel-size "
+                                     f"({2 * size}): megatron splits each sequence into 2 x CP load-balanced chunks")
+        refused = {
+            "reset_attention_mask": "--reset-attention-mask (document masks; context parallel serves causal "
+                                    "and unmasked attention)",
+            "hybrid_context_parallel": "--hybrid-context-parallel (megatron's variable-size CP groups for packed "
+                                       "sequences need TransformerEngine)",
+            "multi_latent_attention": "--multi-latent-attention (key and value head sizes differ)",
+        }
+        for dest, flag in refused.items():
+            if getattr(args, dest, False):
+                raise FeatureConfigError(f"--context-parallel-size {size} cannot be combined with {flag}")
+        if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0.0:
+            raise FeatureConfigError(f"--context-parallel-size {size}: attention dropout is not served by the "
+                                     f"context-parallel attention; set --attention-dropout 0 "
+                                     f"(got {args.attention_dropout})")
+        if getattr(args, "window_size", None) is not None:
+            raise FeatureConfigError(f"--context-parallel-size {size} cannot be combined with --window-size "
+                                     "(sliding-window attention)")
+
+    def patches(self, args):
+        from hyper_adaptor.patches.context import attention
+
+        return attention.patches(args)

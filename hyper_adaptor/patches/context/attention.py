@@ -1,0 +1,131 @@
+"""Level 2 — megatron's local ``DotProductAttention`` under context parallel.
+
+Two wraps on the one class megatron's local spec (GPT, MoE) builds for core attention:
+
+- ``__init__``: megatron asserts ``context_parallel_size == 1`` there ("only supported by
+  TEDotProductAttention"); the original runs with a copy of the config that says 1 — nothing else in
+  that constructor reads the CP size — and the module then holds the real config again, and notes which
+  algorithm megatron handed this layer (``cp_comm_type``, per layer in megatron).
+- ``forward``: with CP > 1 the layer's q/k/v (this rank's load-balanced sequence chunks, as megatron's
+  ``get_batch_on_this_cp_rank`` cut the batch) go to ``context_parallel_attention``; with CP == 1 the
+  call is megatron's (or level 1's flash attention, which this wrap sits above).
+
+The groups are megatron's: its CP group, and for the hybrid algorithm its hierarchical CP groups (built
+from ``--hierarchical-context-parallel-sizes U CP/U``: the first level is U consecutive CP ranks — the
+Ulysses group — the second the strided ranks — the ring), so nothing here creates a process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.fused.attention import effective_scale
+
+FEATURE = "context_parallel"
+CLASS = "megatron.core.transformer.dot_product_attention.DotProductAttention"
+COMM_TYPE_ALGO = {"p2p": "ring", "a2a": "ulysses", "allgather": "allgather", "all_gather": "allgather",
+                  "a2a+p2p": "hybrid", None: "ring"}
+
+
+class ContextParallelUnsupported(RuntimeError):
+    """A call this context-parallel attention does not serve (said instead of a wrong answer)."""
+
+
+def _wrap_init(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        if getattr(config, "context_parallel_size", 1) == 1:
+            return original(self, config, *args, **kwargs)
+        single = copy.copy(config)
+        single.context_parallel_size = 1
+        original(self, single, *args, **kwargs)
+        self.config = config
+        bound = signature.bind(self, config, *args, **kwargs)
+        comm_type = bound.arguments.get("cp_comm_type")
+        if comm_type not in COMM_TYPE_ALGO:
+            raise ContextParallelUnsupported(f"--cp-comm-type {comm_type!r} is not a context-parallel algorithm "
+                                             f"this attention serves ({', '.join(k for k in COMM_TYPE_ALGO if k)})")
+        self.hyper_cp_algo = COMM_TYPE_ALGO[comm_type]
+
+    return __init__
+
+
+def _groups(module):
+    from megatron.core import parallel_state
+
+    from hyper_adaptor.parallel.context import CPGroups
+
+    groups = getattr(module, "hyper_cp_groups", None)
+    if groups is not None:
+        return groups
+    cp = getattr(getattr(module, "pg_collection", None), "cp", None) or parallel_state.get_context_parallel_group()
+    if module.hyper_cp_algo == "hybrid":
+        hierarchical = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        if not hierarchical or len(hierarchical) != 2:
+            raise ContextParallelUnsupported(
+                "the hybrid context-parallel algorithm runs on megatron's hierarchical CP groups: pass "
+                "--ulysses-degree-in-cp K (or --hierarchical-context-parallel-sizes K CP/K)")
+        ulysses, ring = hierarchical
+        groups = CPGroups(cp=cp, ulysses=ulysses, ring=ring, ulysses_degree=ulysses.size())
+    else:
+        degree = cp.size() if module.hyper_cp_algo == "ulysses" else 1
+        groups = CPGroups(cp=cp, ulysses=None, ring=None, ulysses_degree=degree)
+    module.hyper_cp_groups = groups
+    return groups
+
+
+def _unsupported(module, mask_type, attention_bias, packed_seq_params) -> str | None:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if packed_seq_params is not None:
+        return "packed sequences (THD)"
+    if attention_bias is not None:
+        return "an attention bias"
+    if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+        return f"mask type {mask_type.name} (causal and unmasked attention are served)"
+    if module.training and module.attention_dropout.p > 0.0:
+        return f"attention dropout {module.attention_dropout.p}"
+    if getattr(module.scale_mask_softmax, "window_size", None) is not None:
+        return "sliding-window attention"
+    if getattr(module, "softmax_offset", None) is not None:
+        return f"softmax_type {module.config.softmax_type!r}"
+    return None
+
+
+def _wrap_forward(original):
+    @functools.wraps(original)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if self.config.context_parallel_size == 1:
+            return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                            attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        from megatron.core.transformer.enums import AttnMaskType
+
+        from hyper_adaptor.parallel.context import context_parallel_attention
+
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        reason = _unsupported(self, mask_type, attention_bias, packed_seq_params)
+        if reason is not None:
+            raise ContextParallelUnsupported(
+                f"--context-parallel-size {self.config.context_parallel_size} ({self.hyper_cp_algo}): "
+                f"{reason} is not served by hyper_adaptor's context-parallel attention")
+        out = context_parallel_attention(
+            query, key, value, groups=_groups(self), algo=self.hyper_cp_algo,
+            causal=mask_type == AttnMaskType.causal, load_balanced=True, scale=effective_scale(self),
+        )
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    return forward
+
+
+def patches(args) -> list[Patch]:
+    return [
+        Patch(f"{CLASS}.__init__", _wrap_init, "wrap", FEATURE),
+        # above level 1's flash-attention wrap: with CP > 1 this one answers, with CP == 1 it passes on
+        Patch(f"{CLASS}.forward", _wrap_forward, "wrap", FEATURE, after=("flash_attn",)),
+    ]

@@ -1,0 +1,85 @@
+"""--context-parallel-size on the local spec: the algorithm's two spellings, adjustments and bad input
+(one process, megatron's own argument parser)."""
+
+import pytest
+
+import hyper_adaptor.megatron_adaptor as adaptor_module
+from hyper_adaptor import features
+from hyper_adaptor.features import FeatureConfigError
+from tests.unit.test_adaptor import megatron_args
+
+ADAPTOR = adaptor_module.ADAPTOR
+MODEL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--micro-batch-size", "1", "--attention-dropout", "0")
+
+
+def _prepare(*flags):
+    args = megatron_args(*MODEL, *flags)
+    args.rank, args.world_size = 0, 8
+    notices = ADAPTOR.prepare(args, say=False)
+    return args, notices
+
+
+@pytest.mark.parametrize("flags, algo", [
+    ((), "ring"),
+    (("--context-parallel-algo", "megatron_cp_algo"), "ring"),
+    (("--context-parallel-algo", "ulysses_cp_algo"), "ulysses"),
+    (("--context-parallel-algo", "ulysses"), "ulysses"),
+    (("--context-parallel-algo", "allgather"), "allgather"),
+    (("--cp-comm-type", "a2a"), "ulysses"),
+    (("--cp-comm-type", "allgather"), "allgather"),
+    (("--cp-comm-type", "p2p"), "ring"),
+    (("--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"), "hybrid"),
+    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"), "hybrid"),
+])
+def test_both_spellings_select_the_algorithm(flags, algo):
+    args, _ = _prepare("--context-parallel-size", "4", *flags)
+    cp = features.get("context_parallel")
+    assert cp.is_enabled(args) and cp.algorithm(args) == algo
+    # megatron hands each layer's core attention its --cp-comm-type: it must say the same algorithm
+    assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "allgather": "allgather",
+                                  "hybrid": "a2a+p2p"}[algo]]
+
+
+def test_hybrid_degree_becomes_megatrons_hierarchical_groups_with_a_notice():
+    args, notices = _prepare("--context-parallel-size", "4", "--context-parallel-algo", "hybrid",
+                             "--ulysses-degree-in-cp", "2")
+    assert args.hierarchical_context_parallel_sizes == [2, 2]
+    assert any("--hierarchical-context-parallel-sizes" in n and "--ulysses-degree-in-cp 2" in n for n in notices)
+    assert any("--cp-comm-type" in n for n in notices)
+
+
+def test_cp1_and_transformer_engine_leave_the_feature_off():
+    assert not features.get("context_parallel").is_enabled(_prepare()[0])
+    args = megatron_args(*MODEL, "--context-parallel-size", "2", "--transformer-impl", "transformer_engine")
+    assert not features.get("context_parallel").requested(args)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--context-parallel-algo", "ulysses", "--cp-comm-type", "allgather"),
+     "--context-parallel-algo ulysses and --cp-comm-type allgather ask for different algorithms"),
+    (("--cp-comm-type", "a2a", "p2p"), "one algorithm for every layer"),
+    (("--context-parallel-algo", "hybrid"), "needs --ulysses-degree-in-cp K"),
+    (("--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "3"),
+     "--ulysses-degree-in-cp 3 must divide --context-parallel-size 4"),
+    (("--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2", "--hierarchical-context-parallel-sizes",
+      "4", "1"), "--ulysses-degree-in-cp 2 and --hierarchical-context-parallel-sizes 4 1 disagree"),
+    (("--context-parallel-algo", "ring", "--ulysses-degree-in-cp", "2"), "is for the hybrid algorithm"),
+    (("--context-parallel-algo", "ulysses", "--num-attention-heads", "6"),
+     r"--num-attention-heads 6 / --tensor-model-parallel-size 1\) must divide by the Ulysses degree 4"),
+    (("--context-parallel-algo", "ulysses", "--tensor-model-parallel-size", "4"),
+     r"--num-attention-heads 8 / --tensor-model-parallel-size 4\) must divide by the Ulysses degree 4"),
+    (("--seq-length", "36", "--max-position-embeddings", "36"),
+     r"--seq-length 36 must be a multiple of 2 x --context-parallel-size \(8\)"),
+    (("--attention-dropout", "0.1"), "attention dropout is not served.*--attention-dropout 0"),
+    (("--reset-attention-mask",), "cannot be combined with --reset-attention-mask"),
+])
+def test_bad_input_is_an_error_naming_the_flags(flags, message):
+    with pytest.raises(FeatureConfigError, match=message):
+        _prepare("--context-parallel-size", "4", *flags)
+
+
+def test_cp_below_level_2_on_the_local_spec_says_which_level_it_needs():
+    with pytest.raises(FeatureConfigError, match="--context-parallel-size 2 with --transformer-impl local needs "
+                                                 "--optimization-level 2.*got --optimization-level 1"):
+        _prepare("--context-parallel-size", "2", "--optimization-level", "1")
