@@ -41,6 +41,7 @@ class Layout:
     batch_p2p_comm: bool | None = None  # None: unbatched for PP=2 with VPP (see the PP2-VPP trap test)
     extra: dict = field(default_factory=dict)  # TransformerConfig fields (override the defaults below)
     model: dict = field(default_factory=dict)  # GPTModel keyword arguments
+    spec: dict = field(default_factory=dict)  # get_gpt_layer_local_spec keyword arguments (e.g. num_experts)
     # Megatron-style feature arguments (e.g. {"optimization_level": 1, "use_fused_rmsnorm": True}):
     # given to the process-wide adaptor's prepare + apply_features before the model is built, as
     # megatron.training's validate_args would. Applied features stay applied in that process.
@@ -127,7 +128,7 @@ def build(layout: Layout, init_params: dict | None = None):
         stage = vp_stage if layout.vpp else None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=get_gpt_layer_local_spec(**layout.spec),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),

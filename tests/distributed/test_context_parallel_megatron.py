@@ -23,6 +23,11 @@ TARGET = "tests.distributed.gpt_parity:train_many"
 FP32 = dict(loss_rtol=1e-5, grad_rtol=1e-4, param_atol=1e-4)
 BF16_FIRST_STEP = dict(BF16, grad_steps=1)
 COMM_TYPE = {"ring": "p2p", "ulysses": "a2a", "allgather": "allgather", "hybrid": "a2a+p2p"}
+LEVEL1 = dict(use_fused_rmsnorm=True, use_fused_swiglu=True, use_fused_rotary_pos_emb=True, use_flash_attn=True,
+              gradient_accumulation_fusion=True, normalization="RMSNorm", swiglu=True, bias_swiglu_fusion=True,
+              position_embedding_type="rope")
+# what megatron.training derives from those flags (tests/distributed/test_level1_parity.py)
+LEVEL1_CONFIG = dict(bias_activation_fusion=True, gradient_accumulation_fusion=True)
 
 
 def _modern(**kwargs) -> dict:
@@ -32,8 +37,13 @@ def _modern(**kwargs) -> dict:
                 num_query_groups=2, **kwargs)
 
 
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather",
+           moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
 def _layout(cp: int = 1, algo: str = "ring", bf16: bool = False, tp: int = 1, pp: int = 1,
-            features: dict | None = None) -> Layout:
+            features: dict | None = None, extra: dict | None = None, **layout) -> Layout:
     hierarchical = [2, cp // 2] if algo == "hybrid" else None
     flags = None
     if cp > 1:
@@ -42,20 +52,28 @@ def _layout(cp: int = 1, algo: str = "ring", bf16: bool = False, tp: int = 1, pp
                      ulysses_degree_in_cp=2 if algo == "hybrid" else None, num_attention_heads=4,
                      tensor_model_parallel_size=tp, seq_length=SEQ, attention_dropout=0.0, **(features or {}))
     return Layout(tp=tp, pp=pp, cp=cp, cp_comm_type=COMM_TYPE[algo] if cp > 1 else None, hierarchical_cp=hierarchical,
-                  bf16=bf16, extra=_modern(), model=dict(position_embedding_type="rope"), features=flags)
+                  bf16=bf16, extra=_modern(**(extra or {})), model=dict(position_embedding_type="rope"), features=flags,
+                  **layout)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_world(1, TARGET, timeout=300, layouts={"fp32": _layout(), "bf16": _layout(bf16=True)})[0]
+    layouts = {"fp32": _layout(), "bf16": _layout(bf16=True), "moe": _layout(extra=MOE, spec=dict(num_experts=4))}
+    return run_world(1, TARGET, timeout=300, layouts=layouts)[0]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(reference):
     layouts = {f"CP2-{algo}": _layout(2, algo) for algo in ("ring", "ulysses", "allgather")}
     layouts["CP2-ring-bf16"] = _layout(2, "ring", bf16=True)
-    layouts["CP2-ring-flash"] = _layout(2, "ring", features=dict(use_flash_attn=True))
-    return run_world(2, TARGET, timeout=600, layouts=layouts, init_params=reference["fp32"]["init"])[0]
+    # every level-1 op beside context parallel (--use-flash-attn, fused RoPE on the CP rank's positions, ...)
+    layouts["CP2-ring-level1"] = _layout(2, "ring", features=LEVEL1, extra=LEVEL1_CONFIG)
+    # full recomputation: each layer's forward, context-parallel attention included, runs again in backward
+    layouts["CP2-ulysses-recompute"] = _layout(2, "ulysses", extra=RECOMPUTE)
+    result = run_world(2, TARGET, timeout=600, layouts=layouts, init_params=reference["fp32"]["init"])[0]
+    moe = _layout(2, "ring", extra=MOE, spec=dict(num_experts=4))
+    result.update(run_world(2, TARGET, timeout=600, layouts={"CP2-ring-MoE": moe}, init_params=reference["moe"]["init"])[0])
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +84,32 @@ def four_ranks(reference):
     layouts["TP2"] = _layout(1, tp=2)
     layouts["TP2xCP2-ring"] = _layout(2, "ring", tp=2)
     layouts["PP2xCP2-ulysses"] = _layout(2, "ulysses", pp=2)
+    layouts["PP2xVPP2xCP2-ring"] = _layout(2, "ring", pp=2, vpp=2)
+    layouts["CP2xDP2-allgather"] = _layout(2, "allgather")
+    # sequence parallel: TP's sequence shards inside each CP rank's chunks
+    layouts["TP2+SPxCP2-ring"] = _layout(2, "ring", tp=2, sequence_parallel=True)
     return run_world(4, TARGET, timeout=900, layouts=layouts, init_params=reference["fp32"]["init"])[0]
 
 
-@pytest.mark.parametrize("name", ["CP2-ring", "CP2-ulysses", "CP2-allgather", "CP2-ring-flash"])
+@pytest.mark.parametrize("name", ["CP2-ring", "CP2-ulysses", "CP2-allgather", "CP2-ring-level1",
+                                  "CP2-ulysses-recompute"])
 def test_cp2_matches_single_process(reference, two_ranks, name):
     assert compare(reference["fp32"], two_ranks[name], **FP32) == []
 
 
-@pytest.mark.parametrize("name", ["CP4-ring", "CP4-ulysses", "CP4-allgather", "CP4-hybrid", "PP2xCP2-ulysses"])
+@pytest.mark.parametrize("name", ["CP4-ring", "CP4-ulysses", "CP4-allgather", "CP4-hybrid", "PP2xCP2-ulysses",
+                                  "PP2xVPP2xCP2-ring", "CP2xDP2-allgather"])
 def test_cp4_layouts_match_single_process(reference, four_ranks, name):
     assert compare(reference["fp32"], four_ranks[name], **FP32) == []
 
 
-def test_tp2_cp2_matches_tp2(four_ranks):
-    assert compare(four_ranks["TP2"], four_ranks["TP2xCP2-ring"], **FP32) == []
+@pytest.mark.parametrize("name", ["TP2xCP2-ring", "TP2+SPxCP2-ring"])
+def test_tp2_cp2_matches_tp2(four_ranks, name):
+    assert compare(four_ranks["TP2"], four_ranks[name], **FP32) == []
+
+
+def test_cp2_moe_matches_single_process(reference, two_ranks):
+    assert compare(reference["moe"], two_ranks["CP2-ring-MoE"], **FP32) == []
 
 
 def test_cp2_bf16_close_to_single_process_bf16(reference, two_ranks):
@@ -91,3 +120,10 @@ def test_cp2_bf16_close_to_single_process_bf16(reference, two_ranks):
 def test_tolerance_catches_one_gradient_off_by_10_percent(reference, two_ranks):
     assert missed_wrong_gradients(reference["fp32"], two_ranks["CP2-ring"], FP32) == []
     assert missed_wrong_gradients(reference["bf16"], two_ranks["CP2-ring-bf16"], BF16_FIRST_STEP) == []
+
+
+def test_the_level1_ops_and_the_block_kernels_ran_beside_context_parallel(two_ranks):
+    calls = {op: sum(backends.values()) for op, backends in two_ranks["CP2-ring-level1"]["op_calls"].items()}
+    # cumulative in the rank's process: the ring's block attention ran in every CP layout before too
+    for op in ("rms_norm", "swiglu", "rope", "attention_with_lse", "attention_lse_backward"):
+        assert calls.get(op, 0) > 0, (op, calls)

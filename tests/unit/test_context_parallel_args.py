@@ -83,3 +83,56 @@ def test_cp_below_level_2_on_the_local_spec_says_which_level_it_needs():
     with pytest.raises(FeatureConfigError, match="--context-parallel-size 2 with --transformer-impl local needs "
                                                  "--optimization-level 2.*got --optimization-level 1"):
         _prepare("--context-parallel-size", "2", "--optimization-level", "1")
+
+
+@pytest.fixture(scope="module")
+def cp2_attention():
+    """megatron's local DotProductAttention built with a CP 2 config under the feature's patches (the
+    constructor asserts CP == 1 without them), in a world of one (the refusals come before any group)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hyper_adaptor.patch_manager import PatchManager
+    from hyper_adaptor.patches.context import attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, context_parallel_size=2,
+                               attention_dropout=0.0, use_cpu_initialization=True)
+    build = lambda: DotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="a2a",  # noqa: E731
+                                        pg_collection=ProcessGroupCollection(tp=dist.group.WORLD))
+    with pytest.raises(AssertionError, match="only supported by TEDotProductAttention"):
+        build()
+    manager = PatchManager()
+    manager.register_all(attention.patches(None))
+    with manager.applied():
+        module = build()
+        q = torch.zeros(4, 1, 2, 8)
+        yield module, q
+    dist.destroy_process_group()
+
+
+def test_the_local_attention_is_built_at_cp2_with_its_layers_algorithm(cp2_attention):
+    module, _ = cp2_attention
+    assert module.config.context_parallel_size == 2 and module.hyper_cp_algo == "ulysses"
+
+
+@pytest.mark.parametrize("call, message", [
+    (dict(packed_seq_params=object()), "packed sequences"),
+    (dict(attention_bias=object()), "an attention bias"),
+    (dict(attn_mask_type="padding"), "mask type padding"),
+])
+def test_calls_context_parallel_does_not_serve_are_refused(cp2_attention, call, message):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hyper_adaptor.patches.context.attention import ContextParallelUnsupported
+
+    module, q = cp2_attention
+    if call.get("attn_mask_type") == "padding":
+        call = dict(attn_mask_type=AttnMaskType.padding)
+    with pytest.raises(ContextParallelUnsupported, match=f"--context-parallel-size 2 \\(ulysses\\): {message}"):
+        module(q, q, q, None, **call)
