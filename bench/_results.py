@@ -42,3 +42,15 @@ def write(result: dict, path: Path) -> Path:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def report(result: dict, text: str, json_path: str | Path, quick: bool = False) -> dict:
+    """Print a bench's table and write its JSON (a ``--quick`` smoke run to ``<name>-quick.json``, so
+    it never overwrites the recorded figures)."""
+    print()
+    print(text)
+    path = Path(json_path)
+    if quick:
+        path = path.with_name(f"{path.stem}-quick{path.suffix}")
+    write(result, path)
+    return result

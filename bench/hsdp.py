@@ -711,16 +711,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.seq, args.warmup, args.steps = 128, 2, 64, 2, 3
-    result = run(args)
-    print()
-    print(table(result))
-    path = Path(args.json)
-    if args.quick:
-        path = path.with_name(f"{path.stem}-quick{path.suffix}")
     from bench import _results as bench_results
 
-    bench_results.write(result, path)
-    return result
+    result = run(args)
+    return bench_results.report(result, table(result), args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

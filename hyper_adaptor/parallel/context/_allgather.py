@@ -5,9 +5,12 @@ constraint and no log-sum-exp merging, at the price of holding the whole K/V on 
 backward too) and the causal imbalance of plain attention per chunk. It is the baseline the ring and
 Ulysses engines are measured against.
 
-Causal masking needs each local query chunk to see the keys up to its own end. ``attention`` aligns
-its causal mask at the bottom-right (query i of sq sees keys j <= i + sk - sq), so calling it with the
-chunk's queries and keys[:end_of_chunk] is exactly the global lower triangle for that chunk.
+Causal masking needs each local query chunk to see the keys up to its own end: every key before the
+chunk, unmasked, and the chunk's own keys, causally. The two parts are computed as two blocks with their
+log-sum-exp (``attention_with_lse``: a square causal block and an unmasked one, both served by the flash
+kernels) and merged, as the ring merges its blocks — one call over keys[:end] with a bottom-right causal
+mask would materialise a q x k mask and send SDPA to its math path, O(S^2) memory (seen in
+bench/context_parallel.py before this was split).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hyper_adaptor.ops.attention import attention
+from hyper_adaptor.ops.attention import attention, attention_lse_backward, attention_with_lse, merge_attention
 from hyper_adaptor.parallel.context._ulysses import to_natural_order
 
 
@@ -40,21 +43,52 @@ class _AllGather(torch.autograd.Function):
         return mine, None
 
 
+class _ChunkAttention(torch.autograd.Function):
+    """One query chunk over the keys before it (unmasked; may be empty) and its own keys (causal)."""
+
+    @staticmethod
+    def forward(ctx, q, k_before, v_before, k_own, v_own, scale, backend):
+        out, lse = attention_with_lse(q, k_own, v_own, causal=True, scale=scale, backend=backend)
+        if k_before.shape[0]:
+            before, before_lse = attention_with_lse(q, k_before, v_before, causal=False, scale=scale, backend=backend)
+            out, lse = merge_attention(before, before_lse, out, lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k_before, v_before, k_own, v_own, out, lse)
+        ctx.scale, ctx.backend = scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_before, v_before, k_own, v_own, out, lse = ctx.saved_tensors
+        options = dict(scale=ctx.scale, backend=ctx.backend)
+        dq, dk_own, dv_own = attention_lse_backward(dout, q, k_own, v_own, out, lse, causal=True, **options)
+        if k_before.shape[0]:
+            dq_before, dk_before, dv_before = attention_lse_backward(dout, q, k_before, v_before, out, lse,
+                                                                     causal=False, **options)
+            dq = dq + dq_before
+        else:
+            dk_before, dv_before = torch.zeros_like(k_before), torch.zeros_like(v_before)
+        return dq, dk_before, dv_before, dk_own, dv_own, None, None
+
+
 def allgather_attention(q, k, v, *, group, causal: bool, load_balanced: bool, scale=None, backend=None):
     """q [s_local, b, np, hn], k/v [s_local, b, ng, hn] sequence-sharded over ``group`` -> [s_local, b, np, hn]."""
     n, r, s = group.size(), group.rank(), q.shape[0]
     k_all = to_natural_order(_AllGather.apply(k, group), load_balanced)
     v_all = to_natural_order(_AllGather.apply(v, group), load_balanced)
 
-    def attend(queries, end):
-        out = attention(queries, k_all[:end], v_all[:end], causal=causal, scale=scale, backend=backend)
-        return out.unflatten(2, q.shape[2:])
-
     if not causal:
-        return attend(q, n * s)
+        return attention(q, k_all, v_all, causal=False, scale=scale, backend=backend).unflatten(2, q.shape[2:])
+
+    def attend(queries, start):
+        """Queries of the chunk at global rows [start, start + len): keys before it, then its own."""
+        end = start + queries.shape[0]
+        return _ChunkAttention.apply(queries, k_all[:start], v_all[:start], k_all[start:end], v_all[start:end],
+                                     scale, backend)
+
     if not load_balanced:
-        return attend(q, (r + 1) * s)
-    # load balance: local chunks are global chunks r and 2N-1-r; each sees the keys up to its end
+        return attend(q, r * s)
+    # load balance: local chunks are global chunks r and 2N-1-r
     c = s // 2
     first, second = q.split(c)
-    return torch.cat([attend(first, (r + 1) * c), attend(second, (2 * n - r) * c)])
+    return torch.cat([attend(first, r * c), attend(second, (2 * n - 1 - r) * c)])

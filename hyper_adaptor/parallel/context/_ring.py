@@ -165,6 +165,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[q_rows] += dq_part
                 block_grads[0][kv_rows] += dk_part
                 block_grads[1][kv_rows] += dv_part
+                del dq_part, dk_part, dv_part  # not alive beside the next block's (peak memory)
             # block j's dK/dV now hold this rank's share: on to the next rank with the block (after the
             # last step that is block j's owner, and what arrives here is this rank's own, complete)
             grad_requests, block_grads = ring.start(block_grads)
