@@ -5,6 +5,7 @@ from __future__ import annotations
 from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, FeatureConfigError, Flag
 from hyper_adaptor.features.compat import Compat
 from hyper_adaptor.features.context_parallel import ContextParallel
+from hyper_adaptor.features.determinism import Determinism
 from hyper_adaptor.features.flash_attn import FlashAttention
 from hyper_adaptor.features.fused_backend import FusedBackend
 from hyper_adaptor.features.fused_rmsnorm import FusedRMSNorm
@@ -13,11 +14,14 @@ from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
+from hyper_adaptor.features.profiling import Profiling
 
 # Fixed, documented application order (torchtitan style): compatibility first, then kernels,
 # then parallel / memory algorithms.
 FEATURES: tuple[Feature, ...] = (
     Compat(),
+    Determinism(),
+    Profiling(),
     FusedBackend(),
     FusedRMSNorm(),
     FusedSwiGLU(),

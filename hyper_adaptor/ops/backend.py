@@ -33,6 +33,14 @@ logger = logging.getLogger("hyper_adaptor.ops")
 _forced: str | None = None
 _noticed: set[tuple[str, str, str]] = set()
 OPS: dict[str, "Op"] = {}  # every op by name, for call counts and docs
+# --deterministic-mode: set True by the determinism feature (a "replace" patch, so ``describe`` lists it
+# and undo puts False back). A backend whose kernel is not deterministic for a call is then skipped
+# (one notice naming the op), and an op left with none refuses the call (NondeterministicOpError).
+DETERMINISTIC = False
+
+
+class NondeterministicOpError(RuntimeError):
+    """--deterministic-mode: no backend of this op computes this call deterministically."""
 
 
 def _check(name: str, source: str) -> str:
@@ -71,10 +79,13 @@ def notice(op: str, backend: str, reason: str, nxt: str) -> None:
 @dataclass(frozen=True)
 class Impl:
     """One backend of one op: ``supports(*args, **kwargs)`` returns None when it can serve the call,
-    else the reason it cannot; ``fn`` computes it."""
+    else the reason it cannot; ``fn`` computes it. ``nondeterministic(*args, **kwargs)``: None when the
+    kernel gives the same bits for the same inputs on the call's device (with torch's deterministic
+    switches on), else why not; asked only under --deterministic-mode."""
 
     fn: Callable[..., Any]
     supports: Callable[..., str | None] = lambda *a, **k: None
+    nondeterministic: Callable[..., str | None] = lambda *a, **k: None
 
 
 class Op:
@@ -94,10 +105,20 @@ class Op:
     def resolve(self, *args, backend: str | None = None, **kwargs) -> str:
         """The backend that serves this call (noticing each one skipped)."""
         chain = self.chain(backend)
+        refused = []
         for i, name in enumerate(chain):
             reason = self.impls[name].supports(*args, **kwargs)
+            if reason is None and DETERMINISTIC:
+                why = self.impls[name].nondeterministic(*args, **kwargs)
+                if why is not None:
+                    refused.append(f"{name}: {why}")
+                    reason = f"not deterministic under --deterministic-mode: {why}"
             if reason is None:
                 return name
+            if i + 1 == len(chain) and refused:
+                raise NondeterministicOpError(
+                    f"{self.name}: --deterministic-mode, and no backend computes this call deterministically "
+                    f"({'; '.join(refused)})")
             notice(self.name, name, reason, chain[i + 1] if i + 1 < len(chain) else "eager")
         return "eager"
 

@@ -50,6 +50,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from hyper_adaptor.ops import backend
 from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, npu_module
 from hyper_adaptor.ops.wgrad_accum import wgrad_accum
 
@@ -261,6 +262,11 @@ def _aligned_for_torch_grouped_mm(x, weights) -> bool:
 
 
 def _fast_kernels(x, weights) -> _Kernels:
+    # --deterministic-mode on CUDA: torch documents no determinism for grouped_mm's CUTLASS kernels, while
+    # cuBLAS's plain GEMMs are deterministic with CUBLAS_WORKSPACE_CONFIG set (NVIDIA's cuBLAS docs,
+    # "results reproducibility"); the loop of torch.mm gives the same products, one GEMM per group
+    if backend.DETERMINISTIC and x.device.type == "cuda":
+        return LOOP
     return TORCH_GROUPED if _aligned_for_torch_grouped_mm(x, weights) else LOOP
 
 
@@ -286,9 +292,16 @@ def _npu_supports(x, weights, tokens_per_group, *, main_grads=None):
     return None
 
 
+def _npu_nondeterministic(*_, **__):
+    # not found in torch_npu's deterministic-computing API list nor in CANN's list of aclnn APIs the
+    # deterministic switch covers (as far as they were read; not run on an NPU here): treated as not
+    # deterministic until shown otherwise; the fast backend's torch.mm is on the list
+    return "npu_grouped_matmul is not documented as deterministic under torch.use_deterministic_algorithms"
+
+
 grouped_gemm_op = Op(
     "grouped_gemm",
-    npu=Impl(_npu, _npu_supports),
+    npu=Impl(_npu, _npu_supports, _npu_nondeterministic),
     fast=Impl(_fast),
     eager=Impl(_eager),
 )

@@ -110,7 +110,10 @@ WGRAD_ACCUM = Op(
     "wgrad_accum",
     eager=Impl(_eager),
     fast=Impl(_fast),
-    npu=Impl(_npu, _npu_supports),
+    # npu_grouped_matmul_add_ is not in torch_npu's deterministic-computing API list (as far as it was
+    # read; not run on an NPU here); addmm (the fast backend) is, so --deterministic-mode uses that
+    npu=Impl(_npu, _npu_supports, lambda *a, **k: "npu_grouped_matmul_add_ is not documented as deterministic "
+             "under torch.use_deterministic_algorithms"),
 )
 
 

@@ -24,7 +24,8 @@ EVERY_FEATURE = (
     "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 128 --normalization RMSNorm --swiglu "
     "--position-embedding-type rope --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
     "--use-flash-attn --num-experts 4 --moe-grouped-gemm --fused-backend eager --use-hsdp "
-    "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0"
+    "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0 "
+    "--profile --deterministic-mode"
 ).split()
 
 
