@@ -7,7 +7,10 @@
 #   NPROC=1 TP=1 PP=1 bash examples/run_demo.sh --mock-data    # extra args go to pretrain_gpt.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
+# the project's environment (made by `make setup` / `make demo`) when there is one, else python on PATH
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python; fi
+fi
 NPROC=${NPROC:-4}
 TP=${TP:-2}
 PP=${PP:-2}
