@@ -78,6 +78,9 @@ class Adaptor:
         self.applied_features: set[str] = set()
         self.device_type: str | None = None
         self.megatron: megatron_version.MegatronVersion | None = None
+        # the level of the last prepared namespace; code without a command line (a TransformerConfig
+        # built by a library user) reads it, see patches/compat/fusion_switches.py
+        self.optimization_level: int | None = None
 
     def bootstrap(self) -> None:
         if self.manager is not None:
@@ -118,6 +121,7 @@ class Adaptor:
             raise FeatureConfigError(
                 f"--optimization-level must be 0, 1 or 2; got {args.optimization_level!r}"
             )
+        self.optimization_level = args.optimization_level
         for feature in FEATURES:
             feature.fill_defaults(args)
         if getattr(args, "device_type", "auto") not in ("auto", self.device_type):
@@ -165,6 +169,25 @@ class Adaptor:
             features.get(name).on_applied(args)
             self.applied_features.add(name)
         return newly
+
+    def apply_feature(self, name: str, level: int) -> None:
+        """Apply one feature that a megatron-core object asked for without a command line (a fusion
+        switch on a TransformerConfig): its flags at their defaults except the one that requests it."""
+        feature = features.get(name)
+        if name in self.applied_features:
+            return
+        if feature.level > level:
+            raise FeatureConfigError(feature.below_level_error(argparse.Namespace(optimization_level=level)))
+        args = argparse.Namespace(optimization_level=level)
+        feature.fill_defaults(args)
+        for flag in feature.flags:
+            setattr(args, flag.dest, True)
+        patches = feature.patches(args)
+        self.manager.register_all(patches)
+        self.manager.apply()
+        feature.on_applied(args)
+        self.applied_features.add(name)
+        notice(f"{feature.name} (level {feature.level}) applied: {len(patches)} patch(es)")
 
 
 ADAPTOR = Adaptor()

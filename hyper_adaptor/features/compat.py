@@ -38,14 +38,19 @@ class Compat(Feature):
     def patches(self, args):
         """The level-0 patches applied after megatron is importable (the import shims come first:
         ``import_patches``)."""
-        from hyper_adaptor.patches.compat import megatron_core, megatron_training, torch_cpu
+        from hyper_adaptor.patches.compat import (backends, fusion_switches, megatron_core, megatron_training,
+                                                  te_spec, torch_cpu)
 
         dev = platform.device_type()
         result = torch_cpu.torch_patches() if dev == "cpu" else []
-        return result + megatron_core.patches(dev) + megatron_training.patches(dev)
+        return (
+            result + backends.patches(dev) + fusion_switches.patches() + megatron_core.patches(dev)
+            + megatron_training.patches(dev) + te_spec.patches()
+        )
 
     def import_patches(self) -> list:
         """What must be in place before megatron is imported at all."""
         from hyper_adaptor.patches.compat import imports
 
         return imports.patches()
+

@@ -44,21 +44,22 @@ def switch_unworkable_defaults(args, device_type: str) -> list[str]:
     if getattr(args, "transformer_impl", None) == "transformer_engine" and not have_transformer_engine():
         notices.append(switch(args, "transformer_impl", "local", "transformer_engine is not installed"))
 
-    on_cuda_with = lambda kernel: device_type == "cuda" and have_apex_kernel(kernel)  # noqa: E731
-    # megatron derives persist_layer_norm = not no_persist_layer_norm (on by default).
-    if not getattr(args, "no_persist_layer_norm", True) and not on_cuda_with("fast_layer_norm"):
-        notices.append(switch(args, "no_persist_layer_norm", True, "the persistent layer-norm kernel needs apex on CUDA"))
+    # The fusion switches megatron-core also reads from a TransformerConfig: one decision table for
+    # both (fusion_switches.py). On the command line a level-1 feature serves a switch only when that
+    # feature is itself enabled (e.g. --use-fused-rotary-pos-emb for apply_rope_fusion).
+    from hyper_adaptor import features
+    from hyper_adaptor.patches.compat import fusion_switches
 
-    # From level 1 on, hyper_adaptor provides the kernel itself (features/grad_accum_fusion.py).
-    if getattr(args, "gradient_accumulation_fusion", False) and getattr(args, "optimization_level", 0) < 1 and not (
-        on_cuda_with("fused_weight_gradient_mlp_cuda") or (device_type == "cuda" and have_transformer_engine())
-    ):
-        notices.append(switch(
-            args,
-            "gradient_accumulation_fusion",
-            False,
-            "its fused weight-gradient kernel needs apex or transformer_engine on CUDA, or --optimization-level >= 1",
-        ))
+    level = getattr(args, "optimization_level", 0)
+    for name, entry in fusion_switches.SWITCHES.items():
+        # megatron.training derives persist_layer_norm = not no_persist_layer_norm (on by default).
+        dest, on = ("no_persist_layer_norm", False) if name == "persist_layer_norm" else (name, True)
+        if getattr(args, dest, not on) != on:
+            continue
+        available = entry.served_by is not None and features.get(entry.served_by).is_enabled(args)
+        decision = fusion_switches.decide(name, device_type, level, feature_available=available)
+        if not decision.value:
+            notices.append(switch(args, dest, dest == "no_persist_layer_norm", decision.why))
 
     # megatron.training's validate_args asserts a CUDA compute capability >= 8 for this flag, which no
     # other platform has; the local spec never calls those kernels (it builds SequentialMLP either way).
@@ -72,11 +73,5 @@ def switch_unworkable_defaults(args, device_type: str) -> list[str]:
             "megatron asserts a CUDA compute capability >= 8 for it; megatron's SequentialMLP (per-expert loop) "
             "is used instead; --optimization-level 1 provides a grouped GEMM",
         ))
-
-    if getattr(args, "masked_softmax_fusion", False) and not on_cuda_with("scaled_masked_softmax_cuda"):
-        notices.append(switch(args, "masked_softmax_fusion", False, "the fused masked softmax kernel needs apex on CUDA"))
-
-    if getattr(args, "apply_rope_fusion", False) and not (device_type == "cuda" and have_transformer_engine()):
-        notices.append(switch(args, "apply_rope_fusion", False, "fused RoPE needs transformer_engine on CUDA"))
 
     return notices
