@@ -101,6 +101,10 @@ class Adaptor:
             # torch_npu's own "cuda" -> "npu" mapping patches torch itself (not through this manager:
             # its maintainers keep it in step with torch_npu); describe lists it.
             npu.enable_transfer_to_npu()
+        from hyper_adaptor.patches.compat import fusion_switches
+
+        # the config-level fusion switches ask the adaptor for the level and for level-1 features
+        fusion_switches.connect(lambda: self.optimization_level, self.apply_feature, DEFAULT_LEVEL)
         self.manager.register_all(compat.patches(None))
         self.manager.register_all(
             [

@@ -22,6 +22,7 @@ import weakref
 
 from hyper_adaptor import platform
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.patches.profiling.ranks import profiled_ranks
 
 LEVELS = ("level0", "level1", "level2")
 DEFAULT_SAVE_PATH = "./profile_dir"
@@ -30,17 +31,6 @@ DEFAULT_SAVE_PATH = "./profile_dir"
 _served: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 # Nsight Systems sets this in the processes it profiles (the marker NVTX bindings check for "nsys active")
 NSYS_ENV = "NSYS_PROFILING_SESSION_ID"
-
-
-def every_rank(args) -> bool:
-    """Megatron: ``--profile-ranks`` empty; MindSpeed: ``--profile-ranks -1`` (its default)."""
-    ranks = list(getattr(args, "profile_ranks", None) or [])
-    return not ranks or -1 in ranks
-
-
-def profiled_ranks(args) -> list[int] | None:
-    """The global ranks to profile; None: every rank."""
-    return None if every_rank(args) else sorted(set(args.profile_ranks))
 
 
 def megatron_nsys(args) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import Callable
 
 from hyper_adaptor.patch_manager import Patch
 
@@ -89,16 +90,34 @@ def decide(name: str, device_type: str, level: int, feature_available: bool = Tr
     return Decision(False, None, switch.why_off)
 
 
+@dataclasses.dataclass
+class _Adaptor:
+    """What this seam needs of the adaptor, handed down by it (``connect``): patches never import the
+    layers above them. ``level()``: the level the adaptor prepared (None before any); ``apply_feature``:
+    apply a level-1 feature a config asked for; ``default_level``: the command line's default."""
+
+    level: Callable[[], int | None] = lambda: None
+    apply_feature: Callable[[str, int], None] | None = None
+    default_level: int = 2
+
+
+_adaptor = _Adaptor()
+
+
+def connect(level: Callable[[], int | None], apply_feature: Callable[[str, int], None], default_level: int) -> None:
+    """Called once by hyper_adaptor.megatron_adaptor at bootstrap."""
+    global _adaptor
+    _adaptor = _Adaptor(level, apply_feature, default_level)
+
+
 def optimization_level() -> int:
     """The level for code that has no command line (see the module docstring)."""
-    from hyper_adaptor.features import DEFAULT_LEVEL
-    from hyper_adaptor.megatron_adaptor import ADAPTOR
-
-    if ADAPTOR.optimization_level is not None:
-        return ADAPTOR.optimization_level
+    prepared = _adaptor.level()
+    if prepared is not None:
+        return prepared
     value = os.environ.get(LEVEL_ENV)
     if value is None:
-        return DEFAULT_LEVEL
+        return _adaptor.default_level
     if value not in ("0", "1", "2"):
         raise ValueError(f"{LEVEL_ENV} must be 0, 1 or 2; got {value!r}")
     return int(value)
@@ -108,7 +127,6 @@ def _deciding_fusion_switches(original):
     @functools.wraps(original)
     def __post_init__(self):  # noqa: N807  (the dataclass hook it wraps)
         from hyper_adaptor import platform
-        from hyper_adaptor.megatron_adaptor import ADAPTOR
         from hyper_adaptor.notice import notice
 
         level = optimization_level()
@@ -117,8 +135,8 @@ def _deciding_fusion_switches(original):
                 continue
             decision = decide(name, platform.device_type(), level)
             setattr(self, name, decision.value)
-            if decision.served_by:
-                ADAPTOR.apply_feature(decision.served_by, level)
+            if decision.served_by and _adaptor.apply_feature is not None:
+                _adaptor.apply_feature(decision.served_by, level)
             if decision.why:
                 notice(f"TransformerConfig.{name}: True -> {decision.value} ({decision.why})")
         return original(self)

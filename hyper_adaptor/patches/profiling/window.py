@@ -18,6 +18,7 @@ import torch
 
 from hyper_adaptor import platform
 from hyper_adaptor.patches.profiling import backends, summary
+from hyper_adaptor.patches.profiling.ranks import profiled_ranks
 
 TAG = "[profile]"
 
@@ -36,8 +37,6 @@ class WindowConfig:
 
     @classmethod
     def from_args(cls, args) -> "WindowConfig":
-        from hyper_adaptor.features.profiling import profiled_ranks
-
         ranks = profiled_ranks(args)
         return cls(
             start=args.profile_step_start, end=args.profile_step_end,
