@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import platform as py_platform
+import sys
 from pathlib import Path
 
 import torch
@@ -54,3 +55,29 @@ def report(result: dict, text: str, json_path: str | Path, quick: bool = False) 
         path = path.with_name(f"{path.stem}-quick{path.suffix}")
     write(result, path)
     return result
+
+
+def rebind_c10d(names, wrap) -> list:
+    """Put ``wrap(name, fn)`` in place of each named torch.distributed function in every module that holds
+    it by name (``torch.distributed.X``, c10d's own globals — P2POp compares ``op is isend`` against them —
+    and aliases such as megatron's ``dist_reduce_scatter_func``); returns what ``restore`` puts back."""
+    from torch.distributed import distributed_c10d as c10d
+
+    originals = {name: getattr(c10d, name) for name in names if hasattr(c10d, name)}
+    wrappers = {id(fn): wrap(name, fn) for name, fn in originals.items()}
+    installed = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            wrapper = wrappers.get(id(value)) if callable(value) else None
+            if wrapper is not None and any(value is fn for fn in originals.values()):
+                namespace[attr] = wrapper
+                installed.append((namespace, attr, value))
+    return installed
+
+
+def restore(installed: list) -> None:
+    for namespace, attr, value in reversed(installed):
+        namespace[attr] = value

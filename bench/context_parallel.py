@@ -192,23 +192,14 @@ class CommCounter:
         self._installed = []
 
     def install(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
+        from bench import _results as bench_results
 
-        originals = {name: getattr(c10d, name) for name in _SENT if hasattr(c10d, name)}
-        by_id = {id(fn): self._wrap(name, fn) for name, fn in originals.items()}
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for attr, value in list(namespace.items()):
-                wrapper = by_id.get(id(value))
-                if wrapper is not None and any(value is fn for fn in originals.values()):
-                    namespace[attr] = wrapper
-                    self._installed.append((namespace, attr, value))
+        self._installed = bench_results.rebind_c10d(_SENT, self._wrap)
 
     def uninstall(self) -> None:
-        for namespace, attr, value in reversed(self._installed):
-            namespace[attr] = value
+        from bench import _results as bench_results
+
+        bench_results.restore(self._installed)
         self._installed = []
 
     def _wrap(self, name, fn):

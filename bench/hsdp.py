@@ -186,24 +186,14 @@ class CommCounter:
         self._installed = []
 
     def install(self) -> None:
-        from torch.distributed import distributed_c10d as c10d
+        from bench import _results as bench_results
 
-        originals = {name: getattr(c10d, name) for name in _VOLUME if hasattr(c10d, name)}
-        wrappers = {id(fn): self._wrap(name, fn) for name, fn in originals.items()}
-        # rebind every module-level alias (torch.distributed.X, megatron's dist_reduce_scatter_func, ...)
-        for module in list(sys.modules.values()):
-            namespace = getattr(module, "__dict__", None)
-            if not isinstance(namespace, dict):
-                continue
-            for attr, value in list(namespace.items()):
-                wrapper = wrappers.get(id(value)) if callable(value) else None
-                if wrapper is not None and any(value is fn for fn in originals.values()):
-                    namespace[attr] = wrapper
-                    self._installed.append((namespace, attr, value))
+        self._installed = bench_results.rebind_c10d(_VOLUME, self._wrap)
 
     def uninstall(self) -> None:
-        for namespace, attr, value in reversed(self._installed):
-            namespace[attr] = value
+        from bench import _results as bench_results
+
+        bench_results.restore(self._installed)
         self._installed = []
 
     def _wrap(self, name, fn):
