@@ -4,7 +4,8 @@
 
 - q is [sq, b, np, hn], k and v are [sk, b, ng, hn] with np a multiple of ng (grouped-query attention:
   query head h reads key/value group h // (np // ng), as megatron's ``repeat_interleave`` does);
-- the result is [sq, b, np * hn], like megatron's ``DotProductAttention``;
+  v's head size may differ from q's and k's (multi-latent attention: [sk, b, ng, hv]);
+- the result is [sq, b, np * hn] (np * hv), like megatron's ``DotProductAttention``;
 - ``mask`` is a bool tensor broadcastable to [b, np|1, sq, sk] where True means "masked out"
   (megatron's convention);
 - ``causal=True`` lets query i see keys j <= i + (sk - sq): aligned at the bottom-right, which for
@@ -60,8 +61,8 @@ def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
 
 
 def _check(q, k, v, mask):
-    if q.dim() != 4 or k.dim() != 4 or v.shape != k.shape:
-        raise ValueError(f"attention: expected q [sq, b, np, hn] and k, v [sk, b, ng, hn]; got "
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"attention: expected q [sq, b, np, hn], k [sk, b, ng, hn] and v [sk, b, ng, hv]; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[1] != q.shape[1] or k.shape[3] != q.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"attention: k/v {tuple(k.shape)} do not fit q {tuple(q.shape)} "
@@ -160,6 +161,8 @@ def _npu_supports(q, k, v, *, causal, mask=None, scale=None, dropout_p=0.0):
         return f"dtype {q.dtype} (npu_fusion_attention is served for fp16/bf16 here)"
     if q.shape[-1] % 16 or q.shape[-1] > 512:
         return f"head dim {q.shape[-1]} (documented: a multiple of 16, at most 512)"
+    if v.shape[-1] != q.shape[-1]:
+        return f"value head dim {v.shape[-1]} != query/key head dim {q.shape[-1]} (served here only when equal)"
     if q.shape[2] > 256:
         return f"{q.shape[2]} query heads (documented: at most 256)"
     return None

@@ -46,6 +46,9 @@ class Layout:
     # given to the process-wide adaptor's prepare + apply_features before the model is built, as
     # megatron.training's validate_args would. Applied features stay applied in that process.
     features: dict | None = None
+    # megatron.core.transformer config class: "MLATransformerConfig" for multi-latent attention (with
+    # spec={"multi_latent_attention": True} and its head sizes in extra)
+    config_class: str = "TransformerConfig"
 
 
 def _batches(step: int, seed: int):
@@ -76,7 +79,7 @@ def build(layout: Layout, init_params: dict | None = None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import transformer_config
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
@@ -122,7 +125,7 @@ def build(layout: Layout, init_params: dict | None = None):
         persist_layer_norm=False,
     )
     config_kwargs.update(layout.extra)
-    config = TransformerConfig(**config_kwargs)
+    config = getattr(transformer_config, layout.config_class)(**config_kwargs)
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None

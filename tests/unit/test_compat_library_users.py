@@ -92,6 +92,38 @@ result = {name: getattr(config, name) for name in (
     "apply_rope_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_activation_fusion")}
 result.update(gradient_accumulation_fusion=gaf.gradient_accumulation_fusion, loss=loss.item(),
               rope_calls=sum(backend.call_counts().get("rope", {}).values()) - before)
+
+# gradient_accumulation_fusion on a GPT under megatron's DDP (which gives main_grad): the weight
+# gradients accumulated into main_grad equal the plain model's .grad from the same seed
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+
+def gpt(**switches):
+    torch.manual_seed(7)
+    model_parallel_cuda_manual_seed(7)
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                            **switches)
+    return cfg, GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
+                         position_embedding_type="rope")
+
+
+def step(model):
+    model(tokens, torch.arange(8).expand(2, 8), mask, labels=tokens).float().mean().backward()
+
+
+_, plain = gpt()
+step(plain)
+cfg, inner = gpt(gradient_accumulation_fusion=True)
+fused = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), inner)
+wgrad_before = sum(backend.call_counts().get("wgrad_accum", {}).values())
+step(fused)
+fused.finish_grad_sync()
+main_grads = dict(inner.named_parameters())
+result.update(
+    wgrad_calls=sum(backend.call_counts().get("wgrad_accum", {}).values()) - wgrad_before,
+    gaf_on_ddp_model=cfg.gradient_accumulation_fusion,
+    gaf_max_diff=max((main_grads[n].main_grad - p.grad).abs().max().item() for n, p in plain.named_parameters()),
+)
 print("RESULT " + json.dumps(result))
 """
 
@@ -114,6 +146,7 @@ def test_level_0_switches_the_config_fusions_off_with_one_notice_each():
                                        "gradient_accumulation_fusion"))
     assert result["bias_activation_fusion"] is True  # megatron's own torch code serves it everywhere
     assert result["rope_calls"] == 0
+    assert result["gaf_on_ddp_model"] is False and result["wgrad_calls"] == 0 and result["gaf_max_diff"] < 1e-6
     for name in ("apply_rope_fusion", "masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion"):
         assert out.count(f"TransformerConfig.{name}: True -> False") == 1, out
     assert out.count('backend "nccl" use "gloo"') == 1
@@ -123,5 +156,9 @@ def test_level_1_serves_rope_and_grad_accum_fusion_with_the_level_1_ops():
     result, out = _library_user_run(1)
     assert result["rope_calls"] == 2  # query and key of the one layer, through hyper_adaptor's fused op
     assert result["gradient_accumulation_fusion"] is True
+    # under megatron's DDP the weight gradients went through the level-1 op into main_grad, and equal
+    # the plain model's (qkv, proj, fc1, fc2 and the output layer of the one-layer GPT)
+    assert result["gaf_on_ddp_model"] is True and result["wgrad_calls"] >= 4
+    assert result["gaf_max_diff"] < 1e-6
     assert "fused_rope (level 1) applied" in out and "grad_accum_fusion (level 1) applied" in out
     assert torch.isfinite(torch.tensor(result["loss"]))

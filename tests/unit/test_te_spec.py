@@ -164,3 +164,76 @@ def test_one_notice(model_parallel, capsys):
     get_gpt_layer_with_transformer_engine_spec()
     get_gpt_layer_with_transformer_engine_spec(num_experts=2)
     assert capsys.readouterr().out.count(te_spec.NOTICE) == 1
+
+
+def _gpt(spec, config, seed):
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=64, max_sequence_length=16,
+                    position_embedding_type="rope")
+
+
+@pytest.mark.parametrize("direction", ["local->te", "te->local"])
+def test_torch_dist_checkpoint_moves_between_te_spec_and_local_spec(model_parallel, tmp_path, direction):
+    """A megatron distributed checkpoint (torch_dist) saved by a GPT of one spec loads into a GPT of the
+    other: the stand-in's sharded keys are TE's, which megatron's local spec maps its norms onto; the
+    stand-in's per-linear ``_extra_state`` (TE's fp8 metadata, empty here) is not needed by the local
+    spec and is optional to the stand-in. The loaded model computes what the saved one did."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    config = _config(num_layers=2, normalization="RMSNorm")
+    specs = {"local": get_gpt_layer_local_spec(normalization="RMSNorm"),
+             "te": get_gpt_layer_with_transformer_engine_spec()}
+    source, target = direction.split("->")
+    saved, loaded = _gpt(specs[source], config, seed=1), _gpt(specs[target], config, seed=2)
+    with torch.no_grad():  # norm weights that differ from their initial ones, so that they must travel
+        for name, param in saved.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    dist_checkpointing.save(saved.sharded_state_dict(), str(tmp_path))
+    state = dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path))
+    missing, unexpected = loaded.load_state_dict(state, strict=False)
+    assert [k for k in missing if not k.endswith("_extra_state")] == [] and unexpected == []
+    tokens = torch.randint(0, 64, (2, 16))
+    position_ids = torch.arange(16).expand(2, 16)
+    saved.eval(), loaded.eval()
+    torch.testing.assert_close(loaded(tokens, position_ids, None), saved(tokens, position_ids, None),
+                               rtol=0, atol=0)
+
+
+def test_level_1_fused_rmsnorm_serves_the_stand_in_norm(model_parallel):
+    """With level 1's fused RMSNorm feature applied, the TE spec's fused norm + linear normalises
+    through hyper_adaptor's rms_norm op (two per layer: before qkv and before fc1), with the result of
+    torch's RMSNorm; undone, it is torch's again."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from hyper_adaptor.ops import backend
+    from hyper_adaptor.patch_manager import PatchManager
+    from hyper_adaptor.patches.fused import rms_norm as fused_rms_norm
+
+    layer = _layer(get_gpt_layer_with_transformer_engine_spec(), _config(normalization="RMSNorm"))
+    with torch.no_grad():
+        layer.self_attention.linear_qkv.layer_norm_weight.uniform_(0.5, 1.5)
+    x = torch.randn(8, 2, 32)
+    want = layer(x, attention_mask=None)[0]
+
+    def op_calls():
+        return sum(backend.call_counts().get("rms_norm", {}).values())
+
+    manager = PatchManager()
+    manager.register_all(fused_rms_norm.patches(None))
+    with manager.applied():
+        before = op_calls()
+        got = layer(x, attention_mask=None)[0]
+        assert op_calls() - before == 2
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    before = op_calls()
+    layer(x, attention_mask=None)
+    assert op_calls() == before

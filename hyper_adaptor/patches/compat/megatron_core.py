@@ -130,6 +130,54 @@ def _refuse_pp2_batched_interleaving(original):
     return checked
 
 
+# --- YaRN RoPE (multi-latent attention) -------------------------------------------------------------
+YARN_INIT = "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding.YarnRotaryEmbedding.__init__"
+
+
+def _yarn_on_host(original_init):
+    """YarnRotaryEmbedding (MLA's default RoPE) builds its frequencies under
+    ``with torch.device(torch.cuda.current_device())`` unless ``use_cpu_initialization``; the
+    emulated current device is index 0, and ``torch.device(0)`` means the accelerator, which a CPU
+    process does not have ("Cannot access accelerator device"). MLASelfAttention never passes the
+    flag, so every MLA layer failed to build on CPU — megatron's local spec as well as the TE spec.
+    On the host, CPU initialisation is the only initialisation: the wrap sets it."""
+    import inspect
+
+    signature = inspect.signature(original_init)
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["use_cpu_initialization"] = True
+        return original_init(*bound.args, **bound.kwargs)
+
+    return init
+
+
+# --- multi-latent attention on the local core attention ------------------------------------------
+DOT_PRODUCT_INIT = "megatron.core.transformer.dot_product_attention.DotProductAttention.__init__"
+
+
+def _head_sizes_of_mla(original_init):
+    """MLASelfAttention builds its core attention with ``k_channels`` (query/key head size: the
+    no-RoPE part plus the RoPE part) and ``v_channels`` (value head size), which only
+    TEDotProductAttention accepts: megatron's local DotProductAttention raises TypeError, so MLA ran
+    nowhere without TransformerEngine (local spec and TE spec alike, on every device). Its forward is
+    already head-size agnostic (scores from q·k, context from p·v, MLA passes its own softmax scale)
+    except the final view to ``heads x kv_channels``: the wrap takes the two sizes off the call and
+    sets the per-partition context width to heads x ``v_channels``."""
+
+    @functools.wraps(original_init)
+    def init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original_init(self, *args, **kwargs)
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return init
+
+
 def patches(device_type: str) -> list[Patch]:
     """Level-0 megatron.core patches for ``device_type``."""
     result = [
@@ -145,9 +193,11 @@ def patches(device_type: str) -> list[Patch]:
             "wrap",
             FEATURE,
         ),
+        Patch(DOT_PRODUCT_INIT, _head_sizes_of_mla, "wrap", FEATURE),
     ]
     if device_type == "cpu":
         result.append(Patch(f"{RNG_MODULE}._set_cuda_rng_state", set_device_rng_state_on_host, "replace", FEATURE))
         result.append(Patch(f"{RNG_MODULE}.logging", _LoggingWithoutHostForkWarning, "wrap", FEATURE, rebind_in=()))
         result += [Patch(t, _with_device_type_names, "wrap", FEATURE) for t in TYPE_CHECKING_FUNCTIONS]
+        result.append(Patch(YARN_INIT, _yarn_on_host, "wrap", FEATURE, rebind_in=()))
     return result

@@ -125,7 +125,8 @@ def _wrap_forward(original):
 
 def patches(args) -> list[Patch]:
     return [
-        Patch(f"{CLASS}.__init__", _wrap_init, "wrap", FEATURE),
+        # above level 0's wrap that accepts MLA's head sizes (it passes them through)
+        Patch(f"{CLASS}.__init__", _wrap_init, "wrap", FEATURE, after=("compat",)),
         # above level 1's flash-attention wrap: with CP > 1 this one answers, with CP == 1 it passes on
         Patch(f"{CLASS}.forward", _wrap_forward, "wrap", FEATURE, after=("flash_attn",)),
     ]

@@ -5,6 +5,10 @@ Composition with level 0: compat also wraps ``WrappedTorchNorm.__new__`` (it let
 through and marks the norm's parameters ``sequence_parallel``). This wrap is declared after compat,
 so it is the outer one and builds the RMSNorm itself, marking its parameters with compat's
 ``mark_sequence_parallel``; other norms go through compat's wrap (hence the original).
+
+The TE layer spec's stand-in norm + linear (patches/compat/te_spec.py, served where TransformerEngine is
+not installed) normalises through ``te_spec.rms_norm``; the same feature replaces that function with the
+op, so a TE-spec model gets the fused RMSNorm like a local-spec one.
 """
 
 from __future__ import annotations
@@ -35,5 +39,18 @@ def _build_fused_rmsnorm(original_new):
     return build
 
 
+# the fused norm + linear that serves the TE layer spec without TE (patches/compat/te_spec.py)
+TE_STAND_IN_NORM = "hyper_adaptor.patches.compat.te_spec.rms_norm"
+
+
+def _op_rms_norm(x, weight, eps):
+    from hyper_adaptor.ops.rms_norm import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
 def patches(args) -> list[Patch]:
-    return [Patch(TARGET, _build_fused_rmsnorm, "wrap", FEATURE, after=("compat",))]
+    return [
+        Patch(TARGET, _build_fused_rmsnorm, "wrap", FEATURE, after=("compat",)),
+        Patch(TE_STAND_IN_NORM, _op_rms_norm, "replace", FEATURE, rebind_in=()),
+    ]

@@ -235,3 +235,40 @@ def test_fast_causal_never_materialises_the_score_matrix():
     print(f"peak RSS growth at s=4096: eager {eager / 2**20:.1f} MiB, fast {fast / 2**20:.1f} MiB")
     assert eager >= probs_bytes  # the reference really holds the s x s probabilities
     assert fast < probs_bytes / 8
+
+
+def test_mla_head_sizes_level0_and_level1_match_the_textbook_formula(megatron_state):
+    """Multi-latent attention builds megatron's local core attention with key/query heads of
+    ``k_channels`` and value heads of ``v_channels`` (patches/compat/megatron_core.py makes the local
+    module accept them; megatron's own raises TypeError). Level 0 (megatron's forward) and level 1 (this
+    op, eager and fast) give the per-head formula softmax(q k^T s + causal) v, context width heads x v."""
+    sq, b, heads, hk, hv, scale = 7, 2, 4, 24, 12, 0.3
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=heads, attention_dropout=0.0,
+                               hidden_dropout=0.0, masked_softmax_fusion=False)
+    module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                 attention_type="self", softmax_scale=scale, k_channels=hk, v_channels=hv)
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(sq, b, heads, hk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(sq, b, heads, hv, generator=g, dtype=torch.float64)
+    want = torch.empty(sq, b, heads * hv, dtype=torch.float64)
+    causal = torch.ones(sq, sq, dtype=torch.bool).triu(1)
+    for i in range(b):
+        for h in range(heads):
+            s = (q[:, i, h] @ k[:, i, h].T * scale).masked_fill(causal, float("-inf"))
+            want[:, i, h * hv:(h + 1) * hv] = torch.softmax(s, -1) @ v[:, i, h]
+    q, k, v, want = (x.float() for x in (q, k, v, want))
+    torch.testing.assert_close(module(q, k, v, None), want, rtol=1e-5, atol=1e-5)
+    manager = PatchManager()
+    manager.register_all(attn_patch.patches(None))
+    with manager.applied():
+        for backend in ("eager", "fast"):
+            backend_module.force_backend(backend)
+            try:
+                torch.testing.assert_close(module(q, k, v, None), want, rtol=1e-5, atol=1e-5)
+            finally:
+                backend_module.force_backend(None)
+    # without level 0's wrap megatron's local module refuses the sizes
+    with pytest.raises(TypeError, match="k_channels"):
+        unwrapped = DotProductAttention.__init__.__wrapped__
+        unwrapped(DotProductAttention.__new__(DotProductAttention), config, 1, AttnMaskType.causal,
+                          "self", k_channels=hk, v_channels=hv)
