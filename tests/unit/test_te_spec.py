@@ -237,3 +237,30 @@ def test_level_1_fused_rmsnorm_serves_the_stand_in_norm(model_parallel):
     before = op_calls()
     layer(x, attention_mask=None)
     assert op_calls() == before
+
+
+def test_decoder_block_and_mtp_specs_with_te_build_a_moe_gpt_that_trains(model_parallel):
+    """The block-level entry points a library user reaches for a MoE model with multi-token prediction:
+    ``get_gpt_decoder_block_spec(config, use_transformer_engine=True)`` (a dense layer, then a MoE layer)
+    and ``get_gpt_mtp_block_spec`` — each reads TESpecProvider, so each failed without TE."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+
+    config = _config(num_layers=2, num_moe_experts=4, moe_router_topk=2, add_bias_linear=False,
+                     moe_layer_freq=[0, 1], mtp_num_layers=1, normalization="RMSNorm")
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    mtp = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=True)
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+
+    torch.manual_seed(3)
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    model = GPTModel(config, block, vocab_size=64, max_sequence_length=16, position_embedding_type="rope",
+                     mtp_block_spec=mtp)
+    names = set(dict(model.named_parameters()))
+    assert {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.mlp.router.weight",
+            "mtp.layers.0.mtp_model_layer.self_attention.linear_qkv.layer_norm_weight",
+            "mtp.layers.0.eh_proj.weight"} <= names
+    tokens = torch.randint(0, 64, (2, 8))
+    loss = model(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).float().mean()
+    loss.backward()
+    assert torch.isfinite(loss) and model.decoder.layers[1].mlp.router.weight.grad.abs().sum() > 0
