@@ -13,6 +13,7 @@ from hyper_adaptor.features.fused_rope import FusedRoPE
 from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
+from hyper_adaptor.features.memory import Memory
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
 from hyper_adaptor.features.profiling import Profiling
 
@@ -31,6 +32,7 @@ FEATURES: tuple[Feature, ...] = (
     MoEGroupedGEMM(),
     ContextParallel(),
     HSDP(),
+    Memory(),
 )
 
 

@@ -100,3 +100,113 @@ def current_memory_bytes() -> int:
 
         return int(psutil.Process().memory_info().rss)
     return int(device_module(dev).memory_allocated())
+
+
+# --------------------------------------------------------------------------------------------------
+# Streams, events and host memory for copies that overlap compute (activation swap, optimizer offload).
+#
+# On cuda and npu these are the device module's own Stream / Event (torch.cuda.*, torch.npu.* — the same
+# documented API on both). On cpu there is no second queue: a copy runs synchronously on the calling
+# thread when it is issued, so ``HostStream`` and ``HostEvent`` are stand-ins whose ordering calls are
+# no-ops and whose events are complete as soon as they are recorded. Code written against these
+# helpers is therefore correct on every device, and it overlaps copies with compute where the device can.
+
+
+class HostEvent:
+    """CPU stand-in for a device event: the work it marks has already run when it is recorded."""
+
+    def __init__(self) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class HostStream:
+    """CPU stand-in for a device stream: work issued "on" it runs synchronously, so there is nothing to
+    order and nothing to wait for."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None):
+        event = event or HostEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = HostStream()
+_copy_streams: dict = {}
+
+
+def copies_are_async(dev: str | None = None) -> bool:
+    """True where a copy stream really runs beside compute (cuda, npu); False on cpu."""
+    return (dev or device_type()) != "cpu"
+
+
+def new_stream(dev: str | None = None):
+    dev = dev or device_type()
+    return _HOST_STREAM if dev == "cpu" else device_module(dev).Stream()
+
+
+def current_stream(dev: str | None = None):
+    dev = dev or device_type()
+    return _HOST_STREAM if dev == "cpu" else device_module(dev).current_stream()
+
+
+def copy_stream(dev: str | None = None):
+    """The process's side stream for host<->device copies (one per device type and device index)."""
+    dev = dev or device_type()
+    if dev == "cpu":
+        return _HOST_STREAM
+    key = (dev, device_module(dev).current_device())
+    if key not in _copy_streams:
+        _copy_streams[key] = device_module(dev).Stream()
+    return _copy_streams[key]
+
+
+def new_event(dev: str | None = None):
+    dev = dev or device_type()
+    return HostEvent() if dev == "cpu" else device_module(dev).Event()
+
+
+def use_stream(stream):
+    """``with use_stream(s):`` makes ``s`` the current stream (a no-op for the cpu stand-in)."""
+    import contextlib
+
+    if stream is None or isinstance(stream, HostStream):
+        return contextlib.nullcontext()
+    return device_module(device_type()).stream(stream)
+
+
+stream = use_stream  # ``with platform.stream(s):``, as torch.cuda.stream / torch.npu.stream
+
+
+def pin_memory_available(dev: str | None = None) -> bool:
+    """Whether host buffers should be page-locked: only with an accelerator to copy to and from
+    (pinning needs the accelerator's runtime; on a cpu-only process there is nothing to speed up)."""
+    return (dev or device_type()) != "cpu"
+
+
+def host_buffer(nbytes: int, pin: bool | None = None) -> torch.Tensor:
+    """A flat uint8 host tensor of ``nbytes`` bytes, page-locked where that helps."""
+    pin = pin_memory_available() if pin is None else pin
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)

@@ -25,7 +25,7 @@ EVERY_FEATURE = (
     "--position-embedding-type rope --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
     "--use-flash-attn --num-experts 4 --moe-grouped-gemm --fused-backend eager --use-hsdp "
     "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0 "
-    "--profile --deterministic-mode"
+    "--profile --deterministic-mode --swap-attention --optimizer-cpu-offload"
 ).split()
 
 

@@ -178,6 +178,69 @@ def _head_sizes_of_mla(original_init):
     return init
 
 
+# --- selective recompute without TE ----------------------------------------------------------------
+CHECKPOINT_WITHOUT_OUTPUT_INIT = f"{RNG_MODULE}.CheckpointWithoutOutput.__init__"
+
+
+def _no_fp8_without_te(original_init):
+    """``CheckpointWithoutOutput(fp8=False)`` stores ``fp8 is not None`` — True for its default False — so
+    its forward always asks TransformerEngine's ``FP8GlobalStateManager``, a name that does not exist
+    without TE (NameError). It is what megatron's selective recompute of ``layernorm`` (and ``moe_act``,
+    ``mla_up_proj``) runs, so ``--recompute-modules layernorm`` failed on every device without TE. Without
+    TE there is no fp8: the wrap sets the flag False after megatron's own init."""
+
+    @functools.wraps(original_init)
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.fp8 = False
+
+    return init
+
+
+CHECKPOINT = f"{RNG_MODULE}.checkpoint"
+
+
+def _leaves_outside_checkpoint(original_checkpoint):
+    """megatron's recompute ``checkpoint`` (a custom autograd Function) returns what the checkpointed
+    function returned. A module built with ``skip_bias_add`` returns its bias *Parameter* as the second
+    output (the MLP's ``(output, bias)``); returned from the Function's forward, the leaf parameter gets
+    the Function as its ``grad_fn``, so each step's graph stays reachable from the parameter and the next
+    backward walks all of them again: selective ``--recompute-modules mlp`` with biases (megatron's default
+    ``--add-bias-linear``) grew memory without bound until the process was killed. The wrap hands leaf
+    tensors that require grad back outside the Function (recorded in forward, None inside), so they keep
+    their ordinary accumulation; everything else is megatron's checkpoint unchanged."""
+
+    @functools.wraps(original_checkpoint)
+    def checkpoint(function, distribute_saved_activations, *args, **kwargs):
+        leaves = {}
+
+        def without_leaves(*inner_args, **inner_kwargs):
+            outputs = function(*inner_args, **inner_kwargs)
+            if not isinstance(outputs, tuple):
+                return outputs
+            kept = []
+            for i, out in enumerate(outputs):
+                if isinstance(out, torch.Tensor) and out.is_leaf and out.requires_grad:
+                    leaves[i] = out
+                    kept.append(None)
+                else:
+                    kept.append(out)
+            return tuple(kept)
+
+        outputs = original_checkpoint(without_leaves, distribute_saved_activations, *args, **kwargs)
+        if not leaves:
+            return outputs
+        return tuple(leaves.get(i, out) for i, out in enumerate(outputs))
+
+    return checkpoint
+
+
+def _te_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def patches(device_type: str) -> list[Patch]:
     """Level-0 megatron.core patches for ``device_type``."""
     result = [
@@ -194,7 +257,10 @@ def patches(device_type: str) -> list[Patch]:
             FEATURE,
         ),
         Patch(DOT_PRODUCT_INIT, _head_sizes_of_mla, "wrap", FEATURE),
+        Patch(CHECKPOINT, _leaves_outside_checkpoint, "wrap", FEATURE),
     ]
+    if not _te_importable():
+        result.append(Patch(CHECKPOINT_WITHOUT_OUTPUT_INIT, _no_fp8_without_te, "wrap", FEATURE))
     if device_type == "cpu":
         result.append(Patch(f"{RNG_MODULE}._set_cuda_rng_state", set_device_rng_state_on_host, "replace", FEATURE))
         result.append(Patch(f"{RNG_MODULE}.logging", _LoggingWithoutHostForkWarning, "wrap", FEATURE, rebind_in=()))

@@ -1,0 +1,456 @@
+"""Memory engines (hyper_adaptor.memory): activation bytes held on the device and step time of a GPT layer
+stack under no recompute, full and selective recompute, swap of attention, swap of everything (with and
+without prefetch) and torch's ``save_on_cpu``; optimizer offload's device state bytes and step time.
+
+Run from the repository root::
+
+    python bench/memory.py            # about 70 s on a 2-core VM (one torch thread)
+    python bench/memory.py --quick    # 4 small layers, 2 rounds (smoke run, < 30 s)
+
+The stack: L pre-norm GPT layers of plain torch modules (LayerNorm, qkv Linear, causal
+``scaled_dot_product_attention``, output Linear, LayerNorm, Linear 4h, GELU, Linear h), fp32, one
+micro-batch [b, s, h], loss = mean of the squared output, forward + backward (+ an optimizer step in the
+optimizer rows). Every configuration starts from a copy of the same seeded weights and the same input;
+its loss and gradients are compared with ``none``'s (``max |diff|``: swap and save_on_cpu must be 0,
+recompute within 1e-6 relative).
+
+Configurations (per layer i, wrappers from hyper_adaptor.memory):
+* ``none``: nothing;
+* ``full-recompute``: ``checkpoint_wrapper(layer)`` (torch's non-reentrant checkpoint; keeps the input);
+* ``selective-recompute``: ``checkpoint_wrapper(layer, policy={matmuls and attention: MUST_SAVE})``: the
+  norms, the activation function and elementwise ops are recomputed (MindSpeed's ``--recompute-norm
+  --recompute-activation-function``, as one selective-checkpoint policy);
+* ``swap-attention``: ``swap_wrapper(layer.attention)`` with prefetch 1 (MindSpeed's ``--swap-attention``);
+* ``swap-all``: ``swap_wrapper(layer)``, ``SwapManager(prefetch=0)`` (each group loaded when needed);
+* ``swap-all+prefetch``: the same with ``prefetch=1`` (the next group loads during this one's backward);
+* ``save_on_cpu``: the forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (the anchor;
+  on a cpu-only machine torch neither pins nor skips the copy: every saved tensor is copied).
+
+What is measured
+----------------
+* ``device activations``: on cpu (the "device" is host memory), a storage tracker (a TorchDispatchMode):
+  every storage an op creates during the forward, alive at the end of the forward (the activation peak of
+  ``none``), minus the host tier (the swap pool's buffers; save_on_cpu's copies), parameters and the
+  input. On cuda/npu: ``max_memory_allocated`` over forward + backward minus what was allocated before.
+* ``accounting``: the engines' own figure — the swap manager's peak of device-tier saved bytes (saved
+  minus moved; for swap-attention only the attention's share), a saved-tensor-hooks counter for
+  ``none`` (every saved storage, parameters excluded) and ``save_on_cpu`` (what stays on the device: 0);
+  recompute keeps its inputs and cached outputs outside saved-tensor hooks, so only the tracker sees it.
+* ``moved``: bytes copied to the host tier per step.
+* step time: median over rounds of one step per configuration, interleaved (reversed on odd rounds) so
+  machine drift falls on all alike, as a ratio to ``none``. On cpu a copy cannot overlap compute (no
+  second queue): swap there costs its copies in full, prefetch only changes the order.
+* optimizer offload: Adam on the device vs ``OffloadOptimizer(Adam, offload_fraction=1.0)`` and 0.5: the
+  optimizer-state bytes on the device (target 0 at fraction 1) and the step time (forward + backward +
+  optimizer step) as a ratio to device Adam; parameters after 3 steps compared with device Adam.
+
+Targets (issue 16): swap of everything keeps <= 1/L of the stack's activations on the device plus the
+last layer; on a GPU swap + prefetch costs <= 10 % step time and beats save_on_cpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from hyper_adaptor import platform  # noqa: E402
+from hyper_adaptor.memory import (CheckpointPolicy, OffloadOptimizer, SwapManager, checkpoint_wrapper,  # noqa: E402
+                                  swap_wrapper)
+
+aten = torch.ops.aten
+# Selective recompute: the outputs of matmuls and of the attention kernel are saved, everything else (the
+# norms, the activation function, elementwise ops) is recomputed — MindSpeed's --recompute-norm and
+# --recompute-activation-function together, through CheckpointPolicy.
+SAVE_MATMULS = {op: CheckpointPolicy.MUST_SAVE for op in (
+    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)}
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "memory.json"
+CONFIGS = ("none", "full-recompute", "selective-recompute", "swap-attention", "swap-all", "swap-all+prefetch",
+           "save_on_cpu")
+
+
+# ------------------------------------------------------------------------------------------- the model
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.attention = nn.LayerNorm(hidden), Attention(hidden, heads)
+        self.norm2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
+
+    def forward(self, x):
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def build(args, device) -> nn.ModuleList:
+    torch.manual_seed(0)
+    return nn.ModuleList(Layer(args.hidden, args.heads) for _ in range(args.layers)).to(device)
+
+
+# ------------------------------------------------------------------------------------------- configurations
+class Config:
+    """A configured copy of the stack: ``forward(x)`` runs it; ``manager`` is its SwapManager, if any."""
+
+    def __init__(self, name: str, base: nn.ModuleList) -> None:
+        self.name, self.stack, self.manager = name, copy.deepcopy(base), None
+        if name == "full-recompute":
+            for layer in self.stack:
+                checkpoint_wrapper(layer)
+        elif name == "selective-recompute":
+            for layer in self.stack:
+                checkpoint_wrapper(layer, policy=SAVE_MATMULS)
+        elif name.startswith("swap"):
+            self.manager = SwapManager(min_bytes=0, prefetch=0 if name == "swap-all" else 1)
+            for i, layer in enumerate(self.stack):
+                swap_wrapper(layer.attention if name == "swap-attention" else layer, manager=self.manager, tag=i)
+        self.host_copy = False  # set while save_on_cpu copies a saved tensor (its copy is host tier)
+
+    def hooks(self):
+        if self.name != "save_on_cpu":
+            return _null()
+        dev = platform.device_type()
+        ctx = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda" if dev == "cpu" else dev)
+        pack = ctx.pack_hook
+
+        def marked_pack(t):
+            self.host_copy = True
+            try:
+                return pack(t)
+            finally:
+                self.host_copy = False
+
+        ctx.pack_hook = marked_pack
+        return ctx
+
+    def forward(self, x):
+        with self.hooks():
+            h = x * 1.0  # a non-leaf input, as inside a model
+            for layer in self.stack:
+                h = layer(h)
+            return h.float().square().mean()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class SavedCounter:
+    """Saved-tensor hooks that count the bytes of every saved storage (parameters excluded)."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t):
+        if not isinstance(t, nn.Parameter) and not (t.is_leaf and t.requires_grad) and not (
+                t._base is not None and t._base.is_leaf and t._base.requires_grad):
+            self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+class LiveStorages(TorchDispatchMode):
+    """Every device storage an op creates, with a weak reference: which are still alive, and their bytes."""
+
+    def __init__(self, device_type: str, skip) -> None:
+        super().__init__()
+        self.device_type, self.skip = device_type, skip
+        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.skip():
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, torch.Tensor) and t.device.type == self.device_type and t.layout is torch.strided:
+                    storage = t.untyped_storage()
+                    ptr = storage.data_ptr()
+                    known = self.created.get(ptr)
+                    if ptr and (known is None or known[0].expired()):
+                        self.created[ptr] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self, exclude) -> int:
+        return sum(n for ptr, (weak, n) in self.created.items() if not weak.expired() and not exclude(ptr))
+
+
+# ------------------------------------------------------------------------------------------- measurements
+def grads_of(stack) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in stack.parameters()]
+
+
+def measure_memory(cfg: Config, x: torch.Tensor) -> dict:
+    """One step: device activations at the end of the forward, the engines' accounting, loss and grads."""
+    dev = x.device.type
+    cfg.stack.zero_grad(set_to_none=True)
+    excluded = {t.untyped_storage().data_ptr() for t in list(cfg.stack.parameters()) + [x]}
+    if cfg.manager is not None:
+        cfg.manager.reset_peak()
+        moved_before = cfg.manager.moved_bytes
+    counter = SavedCounter()
+    result = {}
+    if dev == "cpu":
+        tracker = LiveStorages(dev, skip=lambda: cfg.host_copy)
+        with tracker:
+            if cfg.name == "none":
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                    loss = cfg.forward(x)
+            else:
+                loss = cfg.forward(x)
+        pool = cfg.manager.pool if cfg.manager is not None else None
+        result["device_activation_bytes"] = tracker.alive_bytes(
+            lambda ptr: ptr in excluded or (pool is not None and pool.owns(ptr)))
+        result["method"] = "storage tracker at the end of the forward"
+        loss.backward()
+    else:
+        module = platform.device_module(dev)
+        platform.synchronize()
+        module.reset_peak_memory_stats()
+        before = module.memory_allocated()
+        if cfg.name == "none":
+            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                loss = cfg.forward(x)
+        else:
+            loss = cfg.forward(x)
+        loss.backward()
+        platform.synchronize()
+        result["device_activation_bytes"] = module.max_memory_allocated() - before
+        result["method"] = "max_memory_allocated over forward + backward, minus what was allocated before"
+    if cfg.manager is not None:
+        result["accounting_bytes"] = cfg.manager.peak_device_bytes
+        result["moved_bytes"] = cfg.manager.moved_bytes - moved_before
+    elif cfg.name == "none":
+        result["accounting_bytes"], result["moved_bytes"] = counter.bytes, 0
+    elif cfg.name == "save_on_cpu":
+        result["accounting_bytes"] = 0  # every saved tensor is copied to the host tier
+        result["moved_bytes"] = None
+    else:
+        result["accounting_bytes"], result["moved_bytes"] = None, 0
+    result["loss"] = loss.detach()
+    result["grads"] = grads_of(cfg.stack)
+    return result
+
+
+def timed_step(fn) -> float:
+    platform.synchronize()
+    start = time.perf_counter()
+    fn()
+    platform.synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(steps: dict, rounds: int) -> dict:
+    """Median seconds per named step, rounds interleaved (reversed on odd rounds)."""
+    names, times = list(steps), {name: [] for name in steps}
+    for name in names:  # warm-up
+        steps[name]()
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            times[name].append(timed_step(steps[name]))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def max_rel_diff(a: list, b: list) -> float:
+    return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
+
+
+def activation_rows(args, device) -> tuple[list, float]:
+    base = build(args, device)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    configs = {name: Config(name, base) for name in CONFIGS}
+    memory = {name: measure_memory(cfg, x) for name, cfg in configs.items()}
+
+    def step(cfg):
+        def run():
+            cfg.stack.zero_grad(set_to_none=True)
+            cfg.forward(x).backward()
+        return run
+
+    seconds = interleaved({name: step(cfg) for name, cfg in configs.items()}, args.rounds)
+    ref = memory["none"]
+    rows = []
+    for name in CONFIGS:
+        m = memory[name]
+        rows.append({
+            "config": name,
+            "device_activation_bytes": m["device_activation_bytes"],
+            "ratio_to_none": m["device_activation_bytes"] / ref["device_activation_bytes"],
+            "accounting_bytes": m["accounting_bytes"],
+            "moved_bytes": m["moved_bytes"],
+            "step_s": seconds[name],
+            "time_ratio": seconds[name] / seconds["none"],
+            "loss_diff": abs(m["loss"] - ref["loss"]).item(),
+            "grad_max_rel_diff": max_rel_diff(m["grads"], ref["grads"]),
+            "method": m["method"],
+        })
+    return rows, ref["device_activation_bytes"]
+
+
+def optimizer_rows(args, device) -> list:
+    base = build(args, device)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    setups = {
+        "device Adam": lambda stack: torch.optim.Adam(stack.parameters(), lr=1e-3),
+        "offload Adam (fraction 1.0)": lambda stack: OffloadOptimizer(stack.parameters(), torch.optim.Adam, lr=1e-3),
+        "offload Adam (fraction 0.5)": lambda stack: OffloadOptimizer(stack.parameters(), torch.optim.Adam,
+                                                                      offload_fraction=0.5, lr=1e-3),
+    }
+    runs = {}
+    for name, make in setups.items():
+        stack = copy.deepcopy(base)
+        runs[name] = (stack, make(stack))
+
+    def step(stack, opt):
+        def run():
+            opt.zero_grad(set_to_none=True)
+            h = x * 1.0
+            for layer in stack:
+                h = layer(h)
+            h.square().mean().backward()
+            opt.step()
+        return run
+
+    for stack, opt in runs.values():  # 3 steps each from the same weights: parity
+        for _ in range(3):
+            step(stack, opt)()
+    ref_params = list(runs["device Adam"][0].parameters())
+    seconds = interleaved({name: step(*run) for name, run in runs.items()}, args.rounds)
+    rows = []
+    for name, (stack, opt) in runs.items():
+        if isinstance(opt, OffloadOptimizer):
+            state = opt.state_bytes()
+        else:
+            state = {"device": sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                                   if isinstance(v, torch.Tensor) and v.dim() > 0), "host": 0}
+        rows.append({
+            "config": name,
+            "device_state_bytes": state["device"],
+            "host_state_bytes": state["host"],
+            "step_s": seconds[name],
+            "time_ratio": seconds[name] / seconds["device Adam"],
+            "param_max_abs_diff_after_3_steps": None if name == "device Adam" else max(
+                (a - b).abs().max().item() for a, b in zip(stack.parameters(), ref_params)),
+        })
+    return rows
+
+
+def run(args) -> dict:
+    from bench import _results as bench_results
+
+    device = platform.device_type()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows, none_bytes = activation_rows(args, device)
+    opt_rows = optimizer_rows(args, device)
+    swap_all = next(r for r in rows if r["config"] == "swap-all+prefetch")
+    return {
+        "bench": "memory",
+        "device": device,
+        "copies_overlap_compute": platform.copies_are_async(device),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "machine": bench_results.machine(),
+        "activations": rows,
+        "optimizer": opt_rows,
+        "targets": {
+            "swap_all_device_bytes_le_1_over_L_plus_last_layer": {
+                "target_bytes": 2 * none_bytes / args.layers,
+                "measured_bytes": swap_all["device_activation_bytes"],
+                "met": swap_all["device_activation_bytes"] <= 2 * none_bytes / args.layers},
+            "swap_prefetch_time_ratio_le_1.10_on_gpu": None if device == "cpu" else swap_all["time_ratio"] <= 1.10,
+        },
+    }
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:8.2f}"
+
+
+def table(result: dict) -> str:
+    c = result["config"]
+    lines = [f"memory engines, {result['device']}: {c['layers']} layers, hidden {c['hidden']}, heads {c['heads']}, "
+             f"seq {c['seq']}, batch {c['batch']}, fp32; median of {c['rounds']} interleaved rounds"
+             + ("" if result["copies_overlap_compute"] else "; cpu: copies are synchronous (no overlap)"),
+             "",
+             f"{'configuration':22s} {'device act MiB':>14s} {'/ none':>7s} {'accounting MiB':>15s} "
+             f"{'moved MiB':>10s} {'step s':>8s} {'time / none':>11s} {'grad diff':>10s}"]
+    for r in result["activations"]:
+        lines.append(f"{r['config']:22s} {mib(r['device_activation_bytes']):>14s} {r['ratio_to_none']:7.3f} "
+                     f"{mib(r['accounting_bytes']):>15s} {mib(r['moved_bytes']):>10s} {r['step_s']:8.3f} "
+                     f"{r['time_ratio']:11.3f} {r['grad_max_rel_diff']:10.2e}")
+    t = result["targets"]["swap_all_device_bytes_le_1_over_L_plus_last_layer"]
+    lines += ["", f"target swap-all+prefetch <= 1/L of none + the last layer = {mib(t['target_bytes']).strip()} MiB: "
+                  f"measured {mib(t['measured_bytes']).strip()} MiB -> {'met' if t['met'] else 'NOT met'}",
+              "",
+              f"{'optimizer':28s} {'device state MiB':>16s} {'host state MiB':>15s} {'step s':>8s} "
+              f"{'time / device':>13s} {'param diff (3 steps)':>20s}"]
+    for r in result["optimizer"]:
+        diff = "-" if r["param_max_abs_diff_after_3_steps"] is None else f"{r['param_max_abs_diff_after_3_steps']:.1e}"
+        lines.append(f"{r['config']:28s} {mib(r['device_state_bytes']):>16s} {mib(r['host_state_bytes']):>15s} "
+                     f"{r['step_s']:8.3f} {r['time_ratio']:13.3f} {diff:>20s}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1: on a shared 2-core VM, more threads wait on each other)")
+    parser.add_argument("--quick", action="store_true", help="4 layers, hidden 128, seq 128, 2 rounds")
+    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.layers, args.hidden, args.seq, args.rounds = 4, 128, 128, 2
+    from bench import _results as bench_results
+
+    result = run(args)
+    return bench_results.report(result, table(result), args.json, quick=args.quick)
+
+
+if __name__ == "__main__":
+    main()

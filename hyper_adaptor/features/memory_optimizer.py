@@ -1,0 +1,74 @@
+"""The arguments side of megatron's ``--optimizer-cpu-offload`` (feature ``memory``): what ``adjust``
+changes for megatron's ``validate_args`` and what ``validate`` refuses. The seam that serves the flag is
+``hyper_adaptor/patches/memory/optimizer.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from hyper_adaptor.features.base import FeatureConfigError, asked, hide_from_megatron, switch
+
+# megatron's precision-aware optimizer settings; with offload they must be the fp32 defaults (the
+# engine keeps fp32 masters and moments on the host)
+_PRECISION_DTYPES = {"main_grads_dtype": "--main-grads-dtype", "main_params_dtype": "--main-params-dtype",
+                     "exp_avg_dtype": "--exp-avg-dtype", "exp_avg_sq_dtype": "--exp-avg-sq-dtype"}
+
+
+def adjust(args) -> list[str]:
+    """Megatron's ``validate_args`` asserts ``--use-precision-aware-optimizer`` with
+    ``--optimizer-cpu-offload``. That flag is how megatron's own CUDA ``HybridDeviceOptimizer`` is fed,
+    and it needs TransformerEngine and the distributed optimizer; this engine needs neither. So
+    ``--optimizer-cpu-offload`` is hidden from megatron's check (put back right after, so the
+    ``OptimizerConfig`` megatron builds carries it to the factory seam), and a
+    ``--use-precision-aware-optimizer`` given along (as megatron's documentation asks) is switched off
+    with a notice: a user's megatron command line keeps working unchanged, and a command line without
+    it works too. Requiring the flag instead would tie the offload to the distributed optimizer and TE."""
+    notices = []
+    if not asked(args, "optimizer_cpu_offload"):
+        return notices
+    hide_from_megatron(args, "optimizer_cpu_offload")
+    if getattr(args, "use_precision_aware_optimizer", False) and _precision_dtypes_are_fp32(args):
+        notices.append(switch(args, "use_precision_aware_optimizer", False,
+                              "--optimizer-cpu-offload is served by hyper_adaptor's host optimizer, which keeps "
+                              "fp32 master weights and moments itself"))
+    return notices
+
+
+def validate(args) -> None:
+    """Combinations the offload cannot serve, as errors naming the flags (checks only)."""
+    if not asked(args, "optimizer_cpu_offload"):
+        return
+    fraction = getattr(args, "optimizer_offload_fraction", 1.0)
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+        raise FeatureConfigError(f"--optimizer-offload-fraction must be in [0, 1] (the share of parameter elements "
+                                 f"whose optimizer state lives on the host); got {fraction!r}")
+    name = getattr(args, "optimizer", "adam")
+    if name not in ("adam", "sgd"):
+        raise FeatureConfigError(f"--optimizer-cpu-offload serves --optimizer adam or sgd (as megatron's does); "
+                                 f"got --optimizer {name}")
+    if not _precision_dtypes_are_fp32(args):
+        given = " ".join(f"{flag} {_dtype_name(getattr(args, dest))}" for dest, flag in _PRECISION_DTYPES.items()
+                         if not _is_fp32(getattr(args, dest, None)))
+        raise FeatureConfigError(f"--optimizer-cpu-offload keeps fp32 master weights and moments on the host; "
+                                 f"{given} (precision-aware optimizer dtypes) cannot be served with it")
+    for dest, flag in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2"),
+                       ("use_layer_wise_distributed_optimizer", "--use-layer-wise-distributed-optimizer"),
+                       ("optimizer_cuda_graph", "--optimizer-cuda-graph")):
+        if getattr(args, dest, False):
+            raise FeatureConfigError(f"--optimizer-cpu-offload cannot be combined with {flag} (served with megatron's "
+                                     f"DDP, --use-distributed-optimizer and --use-hsdp)")
+
+
+def _is_fp32(value) -> bool:
+    return value in (None, "fp32", torch.float32)
+
+
+def _dtype_name(value) -> str:
+    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    return names.get(value, str(value))
+
+
+def _precision_dtypes_are_fp32(args) -> bool:
+    return all(_is_fp32(getattr(args, dest, None)) for dest in _PRECISION_DTYPES)
+
+

@@ -1,0 +1,216 @@
+"""Optimizer offload: optimizer state and fp32 master weights in host memory, the step run on the host.
+
+``OffloadOptimizer(params, torch.optim.Adam, offload_fraction=1.0, lr=...)`` wraps any
+``torch.optim.Optimizer`` class. Each chosen parameter gets a host master copy (fp32, or the parameter's
+dtype when that is wider), its gradient is copied to the host, the wrapped optimizer steps on the master
+(so its state — Adam's moments — is created on the host and never on the device), and the updated master
+is copied back into the parameter. Parameters that are not chosen are stepped on the device by a second
+instance of the same optimizer class. Which parameters, in this order of precedence:
+
+* a parameter group's ``"offload": True/False`` key;
+* ``offload_fn(param, group) -> bool``;
+* ``offload_fraction`` f in [0, 1]: parameters in order, while the offloaded element count is below f of
+  the total (megatron's ``--optimizer-offload-fraction``; 1.0 offloads all, 0.0 none).
+
+Parameters are plain tensors / ``nn.Parameter`` on any device (HSDP's local shards are): nothing here
+assumes a device type. Hyper-parameters (``lr``, ``weight_decay``, ...) are read from this optimizer's
+``param_groups`` at every step, so LR schedulers work on it as on any optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from hyper_adaptor import platform
+
+
+def _check_fraction(fraction) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= float(fraction) <= 1.0:
+        raise ValueError(f"OffloadOptimizer: offload_fraction must be a number in [0, 1] (the share of parameter "
+                         f"elements whose optimizer state lives on the host); got {fraction!r}")
+    return float(fraction)
+
+
+class _StateByParameter(Mapping):
+    """``optimizer.state[param]`` for the model's parameters: a device-stepped parameter's state from the
+    device optimizer, an offloaded one's from the host optimizer (keyed there by its master)."""
+
+    def __init__(self, owner: OffloadOptimizer) -> None:
+        self.owner = owner
+
+    def _inner(self, p):
+        master = self.owner.masters.get(p)
+        if master is not None:
+            return self.owner.host_optimizer.state, master
+        return (self.owner.device_optimizer.state if self.owner.device_optimizer is not None else {}), p
+
+    def __getitem__(self, p):
+        state, key = self._inner(p)
+        if key not in state:
+            raise KeyError(p)
+        return state[key]
+
+    def __iter__(self):
+        for group in self.owner.param_groups:
+            for p in group["params"]:
+                state, key = self._inner(p)
+                if key in state:
+                    yield p
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class OffloadOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, optimizer_class=torch.optim.Adam, *, offload_fraction: float = 1.0,
+                 offload_fn=None, pin_memory: bool | None = None, **defaults) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"OffloadOptimizer: optimizer_class must be a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_class!r}")
+        fraction = _check_fraction(offload_fraction)
+        super().__init__(params, defaults)
+        self.optimizer_class = optimizer_class
+        self.pin_memory = platform.pin_memory_available() if pin_memory is None else pin_memory
+        for p in (p for g in self.param_groups for p in g["params"]):
+            if type(p) not in (torch.Tensor, torch.nn.Parameter):
+                raise TypeError(f"OffloadOptimizer: parameters must be plain tensors or nn.Parameter (pass a "
+                                f"sharded parameter's local shard); got {type(p).__name__}")
+
+        chosen = self._choose(fraction, offload_fn)
+        self.masters: dict[torch.Tensor, torch.Tensor] = {}
+        device_groups, host_groups = [], []
+        self._group_links = []   # (this group, its device-optimizer group index, its host-optimizer group index)
+        for group in self.param_groups:
+            hyper = {k: v for k, v in group.items() if k not in ("params", "offload")}
+            on_device = [p for p in group["params"] if p not in chosen]
+            on_host = [self._master(p) for p in group["params"] if p in chosen]
+            d = h = None
+            if on_device:
+                d = len(device_groups)
+                device_groups.append({"params": on_device, **hyper})
+            if on_host:
+                h = len(host_groups)
+                host_groups.append({"params": on_host, **hyper})
+            self._group_links.append((group, d, h))
+        self.device_optimizer = optimizer_class(device_groups) if device_groups else None
+        self.host_optimizer = optimizer_class(host_groups) if host_groups else None
+
+    def _choose(self, fraction: float, offload_fn) -> set:
+        chosen, total = set(), sum(p.numel() for g in self.param_groups for p in g["params"])
+        budget, taken = fraction * total, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if "offload" in group:
+                    pick = bool(group["offload"])
+                elif offload_fn is not None:
+                    pick = bool(offload_fn(p, group))
+                else:
+                    pick = fraction >= 1.0 or taken < budget
+                    taken += p.numel() if pick else 0
+                if pick:
+                    chosen.add(p)
+        return chosen
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        master = torch.empty(p.shape, dtype=dtype, device="cpu", pin_memory=self.pin_memory)
+        master.copy_(p.detach())
+        self.masters[p] = master
+        return master
+
+    @property
+    def state(self) -> Mapping:
+        return _StateByParameter(self)
+
+    @state.setter
+    def state(self, value) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty state; it lives in the two inner optimizers instead
+        if value:
+            raise ValueError("OffloadOptimizer.state is a view of the device and host optimizers' state")
+
+    @property
+    def offloaded_params(self) -> list[torch.Tensor]:
+        return list(self.masters)
+
+    def _sync_hyperparameters(self) -> None:
+        for group, d, h in self._group_links:
+            hyper = {k: v for k, v in group.items() if k not in ("params", "offload")}
+            if d is not None:
+                self.device_optimizer.param_groups[d].update(hyper)
+            if h is not None:
+                self.host_optimizer.param_groups[h].update(hyper)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        for p, master in self.masters.items():
+            if p.grad is None:
+                master.grad = None
+                continue
+            if master.grad is None:
+                master.grad = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
+            master.grad.copy_(p.grad, non_blocking=True)
+        if self.masters and platform.copies_are_async(self._device_type()):
+            platform.synchronize()  # the gradients are on the host before the host step reads them
+        if self.device_optimizer is not None:
+            self.device_optimizer.step()
+        if self.host_optimizer is not None:
+            self.host_optimizer.step()
+        for p, master in self.masters.items():
+            if p.grad is not None:
+                p.copy_(master, non_blocking=True)
+        # A later host step writes the masters again only after the next step's synchronize above.
+        return loss
+
+    def _device_type(self) -> str:
+        first = next(iter(self.masters))
+        return first.device.type
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for master in self.masters.values():
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
+
+    def state_bytes(self) -> dict:
+        """Bytes of optimizer state per tier: ``device`` (state of device-stepped parameters), ``host``
+        (state of offloaded ones + their master weights and gradient buffers)."""
+        def state_of(opt):
+            if opt is None:
+                return 0
+            return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0)
+        masters = sum(m.numel() * m.element_size() * (1 + (m.grad is not None)) for m in self.masters.values())
+        return {"device": state_of(self.device_optimizer), "host": state_of(self.host_optimizer) + masters}
+
+    def state_dict(self) -> dict:
+        return {
+            "device": None if self.device_optimizer is None else self.device_optimizer.state_dict(),
+            "host": None if self.host_optimizer is None else self.host_optimizer.state_dict(),
+            "masters": [m.clone() for m in self.masters.values()],
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if (state_dict.get("device") is None) != (self.device_optimizer is None) or \
+                (state_dict.get("host") is None) != (self.host_optimizer is None) or \
+                len(state_dict.get("masters", [])) != len(self.masters):
+            raise ValueError("OffloadOptimizer.load_state_dict: the state was saved with another split of "
+                             "parameters between device and host (offload_fraction / offload_fn / groups)")
+        if self.device_optimizer is not None:
+            self.device_optimizer.load_state_dict(state_dict["device"])
+        if self.host_optimizer is not None:
+            self.host_optimizer.load_state_dict(state_dict["host"])
+            # torch moves loaded state to each parameter's device: the masters' is the host.
+        for master, saved in zip(self.masters.values(), state_dict["masters"]):
+            master.copy_(saved)
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)

@@ -1,0 +1,265 @@
+"""Megatron's ``--optimizer-cpu-offload`` (and ``--optimizer-offload-fraction``) served by the
+optimizer-offload engine (``hyper_adaptor.memory.OffloadOptimizer``) on every device.
+
+What megatron-core 0.19.2 does: ``_get_megatron_optimizer_based_on_param_groups`` builds a
+``HybridDeviceOptimizer`` (CUDA streams and events, ``torch.cuda`` calls) in place of its torch Adam,
+and ``validate_args`` requires ``--use-precision-aware-optimizer``, which in turn requires the
+distributed optimizer and TransformerEngine's FusedAdam (its code path is how the hybrid optimizer
+gets bf16 parameter shards and ``decoupled_grad``). So the flag serves neither a CPU / NPU run, nor
+megatron's plain mixed-precision optimizer, nor ``--use-hsdp``.
+
+The seam, one wrap of that factory (:func:`serve_optimizer_cpu_offload`): with the flag, megatron
+builds exactly what it builds without it (``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or
+``DistributedOptimizer`` around a torch Adam/SGD, over DDP buffers or over HSDP's DTensor shards —
+HSDP builds no optimizer of its own: megatron's ``get_megatron_optimizer`` runs on the HSDP-wrapped
+chunks, so this one seam serves ``--use-hsdp`` too), and only the torch optimizer inside the wrapper
+(``wrapper.optimizer``) is swapped for :class:`OffloadedTorchOptimizer`. Everything megatron does
+around the step — gradient unscaling, clipping, the fp32 main copies, the distributed optimizer's
+shard bookkeeping and all-gather, checkpoints — runs unchanged on the same parameters.
+Why not a replacement ``HybridDeviceOptimizer``: megatron reaches it only through the precision-aware
+paths of the distributed optimizer (bf16 shards, ``decoupled_grad``), so it could not serve
+``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or HSDP.
+
+:class:`OffloadedTorchOptimizer` is what megatron's wrappers see of a torch optimizer: the same
+``param_groups`` (megatron's parameters: fp32 main copies or their shards, DTensor shards under
+HSDP), ``state`` keyed by them, ``state_dict`` / ``load_state_dict`` in torch's format. The step is
+``OffloadOptimizer``'s: the chosen parameters' state and fp32 master weights live on the host, the
+step runs there and the result is copied back. ``state`` is a live view of the engine's two tiers, so
+megatron's checkpoint code reads and writes the host tensors in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import MutableMapping
+
+import torch
+
+from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer
+from hyper_adaptor.notice import notice
+from hyper_adaptor.patch_manager import Patch
+
+FEATURE = "memory"
+FACTORY = "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups"
+def patches(args) -> list[Patch]:
+    """The one seam: megatron's optimizer factory (see the module docstring)."""
+    return [Patch(FACTORY, serve_optimizer_cpu_offload, "wrap", FEATURE)]
+
+
+# -- the seam ------------------------------------------------------------------------------------------
+def serve_optimizer_cpu_offload(original):
+    """Wrap of ``_get_megatron_optimizer_based_on_param_groups``: with ``config.optimizer_cpu_offload``
+    megatron builds its ordinary optimizer for the config (the flag lowered in a copy of the config),
+    and the torch optimizer inside the wrapper is swapped for :class:`OffloadedTorchOptimizer`."""
+
+    @functools.wraps(original)
+    def _get_megatron_optimizer_based_on_param_groups(*args, **kwargs):
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        if not getattr(config, "optimizer_cpu_offload", False):
+            return original(*args, **kwargs)
+        if kwargs.get("skip_megatron_wrapping", False):
+            raise ValueError("--optimizer-cpu-offload: skip_megatron_wrapping=True (layer-wise / emerging "
+                             "optimizers) is not served")
+        plain = dataclasses.replace(config, optimizer_cpu_offload=False)
+        if "config" in kwargs:
+            kwargs["config"] = plain
+        else:
+            args = (plain, *args[1:])
+        optimizer = original(*args, **kwargs)
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is not None:
+            served = OffloadedTorchOptimizer(
+                inner, host_optimizer_class(inner, config), offload_fraction=config.optimizer_offload_fraction,
+                pin_memory=None if getattr(config, "pin_cpu_params", True) else False)
+            optimizer.optimizer = served
+            notice(f"--optimizer-cpu-offload: megatron's {type(optimizer).__name__} steps through "
+                   f"hyper_adaptor's OffloadOptimizer ({served.offloaded_share():.0%} of rank 0's elements "
+                   f"with state on the host)")
+        return optimizer
+
+    return _get_megatron_optimizer_based_on_param_groups
+
+
+def host_optimizer_class(inner: torch.optim.Optimizer, config) -> type:
+    """The torch optimizer class that steps both tiers: megatron's own when it is torch's (so the
+    offloaded step is the same arithmetic as megatron's without offload), else torch's equivalent of
+    TransformerEngine's / apex's fused ones (which run only on their accelerator)."""
+    cls = type(inner)
+    if cls.__module__.startswith("torch.optim"):
+        return cls
+    if config.optimizer == "sgd":
+        return torch.optim.SGD
+    return torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+
+
+def _source(param: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds ``param``'s values: a DTensor's local shard (HSDP), else itself."""
+    from torch.distributed.tensor import DTensor
+
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _alias(param: torch.Tensor) -> torch.Tensor:
+    """What the engine steps for ``param``: a detached alias of the same storage. The distributed
+    optimizer's shards are views of the parameters with autograd history, which a torch optimizer
+    refuses at construction (megatron assigns them to ``param_groups`` afterwards); the alias is a
+    leaf, and a write into it is a write into the parameter."""
+    return _source(param).detach()
+
+
+class _TierState(dict):
+    """One parameter's optimizer state on its tier: tensors written into it (by megatron's
+    ``init_state_fn``, checkpoint loading, HSDP's DTensor conversion) are kept as local tensors on
+    the tier's device, so a state tensor megatron allocates next to the parameter lands on the host."""
+
+    def __init__(self, device: torch.device, *args):
+        super().__init__(*args)
+        self.device = device
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, _on_tier(key, value, self.device))
+
+
+def _on_tier(key, value, device):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        if key == "step":
+            return value.detach().clone()  # one counter per parameter (torch's Adam steps it in place)
+        if value.device != device:
+            return value.detach().to(device)
+    return value
+
+
+class _StateView(MutableMapping):
+    """``param -> state`` over the engine's tiers, keyed by megatron's parameters."""
+
+    def __init__(self, owner: "OffloadedTorchOptimizer"):
+        self.owner = owner
+
+    def _tier(self, param):
+        local = self.owner.locals[param]
+        engine = self.owner.engine
+        master = engine.masters.get(local)
+        if master is not None:
+            return engine.host_optimizer, master
+        return engine.device_optimizer, local
+
+    def __getitem__(self, param):
+        if param not in self.owner.locals:
+            raise KeyError(param)
+        optimizer, key = self._tier(param)
+        entry = optimizer.state.get(key)
+        if not isinstance(entry, _TierState):
+            entry = _TierState(key.device, entry or {})
+            optimizer.state[key] = entry
+        return entry
+
+    def __setitem__(self, param, value):
+        entry = self[param]
+        entry.clear()
+        for k, v in dict(value).items():
+            entry[k] = v
+
+    def __delitem__(self, param):
+        self[param].clear()
+
+    def __iter__(self):
+        return (p for p in self.owner.locals if self._has_state(p))
+
+    def __len__(self):
+        return sum(1 for p in self.owner.locals if self._has_state(p))
+
+    def __contains__(self, param):
+        return param in self.owner.locals and self._has_state(param)
+
+    def _has_state(self, param) -> bool:
+        optimizer, key = self._tier(param)
+        return bool(optimizer.state.get(key))
+
+
+class OffloadedTorchOptimizer(torch.optim.Optimizer):
+    """The torch optimizer inside a megatron optimizer wrapper, stepped by ``OffloadOptimizer``.
+
+    ``param_groups`` are megatron's groups (its parameters and group keys: ``lr``, ``wd_mult``,
+    ``max_lr``, ...), so the LR scheduler and the wrapper's bookkeeping work on them as before; they
+    are copied into the engine's groups at every step. Being a ``torch.optim.Optimizer``, its ``step``
+    runs torch's global step hooks with these parameters (HSDP marks its shards changed from one)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, optimizer_class: type, *, offload_fraction: float = 1.0,
+                 pin_memory: bool | None = None):
+        # megatron's groups as they are (the distributed optimizer's shards are non-leaf views, which
+        # torch's add_param_group refuses; megatron itself assigns them after construction)
+        super().__init__([{"params": []}], inner.defaults)
+        self.param_groups = inner.param_groups
+        self.locals = {p: _alias(p) for group in self.param_groups for p in group["params"]}
+        self.engine = OffloadOptimizer(
+            [{**self._hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
+            optimizer_class, offload_fraction=offload_fraction, pin_memory=pin_memory)
+        carried = {p: dict(s) for p, s in inner.state.items() if s}
+        self.state = _StateView(self)
+        for param, state in carried.items():
+            self.state[param] = state
+
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k not in ("params", "offload")}
+
+    def offloaded_share(self) -> float:
+        """The share of this optimizer's parameter elements whose state and master live on the host."""
+        total = sum(local.numel() for local in self.locals.values())
+        return sum(m.numel() for m in self.engine.masters.values()) / total if total else 0.0
+
+    def state_bytes(self) -> dict:
+        """The engine's accounting: bytes of optimizer state on the ``device`` and the ``host`` tier."""
+        return self.engine.state_bytes()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, engine_group in zip(self.param_groups, self.engine.param_groups):
+            engine_group.update(self._hyper(group))  # megatron's scheduler writes lr / weight_decay here
+        for param, local in self.locals.items():
+            if _source(param).data_ptr() != local.data_ptr():
+                raise RuntimeError(f"--optimizer-cpu-offload: a parameter of shape {tuple(param.shape)} was moved to "
+                                   f"other storage after the optimizer was built (its offloaded copy would no "
+                                   f"longer reach it)")
+            grad = param.grad
+            local.grad = None if grad is None else _source(grad)
+        # The masters take the parameters' current values first: megatron writes its fp32 main
+        # parameters outside the optimizer (checkpoint load, reload_model_params, the distributed
+        # optimizer's state loading), through ``.data``, which no version counter shows. An fp32
+        # copy of an fp32 tensor, so the step is exactly megatron's.
+        for local, master in self.engine.masters.items():
+            master.copy_(local, non_blocking=True)
+        self.engine.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self.engine.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """torch's format over megatron's parameters; the state tensors are the host ones (not copied)."""
+        state_dict = super().state_dict()
+        state_dict["state"] = {index: dict(state) for index, state in state_dict["state"].items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's format, matched to the live parameters by order (as torch does); state tensors are
+        placed on their parameter's tier (host for offloaded ones), never staged on the device."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(group["params"]) for group, saved in zip(self.param_groups, saved_groups)):
+            raise ValueError("--optimizer-cpu-offload: the optimizer state was saved for other parameter groups")
+        saved_state = state_dict["state"]
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for param, index in zip(group["params"], saved["params"]):
+                self.state[param] = saved_state.get(index, {})

@@ -1,0 +1,108 @@
+"""megatron's --optimizer-cpu-offload served by hyper_adaptor's OffloadOptimizer
+(hyper_adaptor/patches/memory/optimizer.py), 2 gloo ranks, one world for every check
+(tests/distributed/optimizer_offload_checks.py).
+
+gpt_parity's tiny GPT, 3 Adam steps at DP2, with megatron's own optimizer and with the offload seam:
+megatron's DDP with FP32Optimizer, the distributed optimizer, bf16 (Float16OptimizerWithFloat16Params),
+bf16 with the distributed optimizer, and HSDP (level 2 fp32 and bf16, level 3 fp32: megatron's
+optimizer over DTensor shards). Tolerance: none — losses and every parameter after every step bitwise equal (the offloaded
+step is torch's AdamW on an fp32 copy of the same fp32 tensor). The optimizer state is counted by
+the engine's own accounting (``state_bytes``): on this CPU machine host and device are the same
+memory, so what is checked is which tier the engine keeps each tensor on.
+"""
+
+import pytest
+
+from hyper_adaptor.testing import run_world
+
+pytestmark = pytest.mark.distributed
+
+RUNS = ["ddp", "distopt", "bf16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3"]
+RESUMED = ["ddp", "distopt", "bf16", "hsdp"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    # daemon=False: megatron's checkpoint writer starts processes of its own
+    ranks = run_world(2, "tests.distributed.optimizer_offload_checks:all_checks", timeout=420, daemon=False,
+                      tmpdir=str(tmp_path_factory.mktemp("optimizer_offload")))
+    return ranks[0]
+
+
+def _differences(want: list, got: list) -> list[str]:
+    import torch
+
+    if len(want) != len(got) or not want:
+        return [f"{len(got)} steps logged against {len(want)}"]
+    problems = []
+    for step, (a, b) in enumerate(zip(want, got)):
+        if a["loss"] != b["loss"]:
+            problems.append(f"step {step}: loss {b['loss']!r} vs {a['loss']!r}")
+        if set(a["params"]) != set(b["params"]):
+            problems.append(f"step {step}: parameter names differ")
+            continue
+        problems += [f"step {step}: {name} differs by {(a['params'][name] - b['params'][name]).abs().max().item():.3g}"
+                     for name in a["params"] if not torch.equal(a["params"][name], b["params"][name])]
+    return problems
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_offload_equals_megatrons_optimizer_bitwise(results, name):
+    run = results["runs"][name]
+    reference, offload = run["reference"], run["offload"]
+    assert reference["inner"] != "OffloadedTorchOptimizer"  # the reference is megatron's own
+    assert offload["inner"] == "OffloadedTorchOptimizer"
+    assert offload["wrapper"] == reference["wrapper"]  # megatron's wrapper for the config, unchanged
+    assert _differences(reference["history"], offload["history"]) == []
+
+
+def test_the_runs_cover_megatrons_three_optimizer_wrappers(results):
+    wrappers = {name: results["runs"][name]["reference"]["wrapper"] for name in RUNS}
+    assert wrappers == {"ddp": "FP32Optimizer", "distopt": "DistributedOptimizer",
+                        "bf16": "Float16OptimizerWithFloat16Params", "bf16-distopt": "DistributedOptimizer",
+                        "hsdp": "FP32Optimizer", "hsdp-bf16": "Float16OptimizerWithFloat16Params",
+                        "hsdp-level3": "FP32Optimizer"}
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_state_and_masters_live_on_the_host_tier(results, name):
+    offload = results["runs"][name]["offload"]
+    assert offload["offloaded"] == offload["total"] > 0  # fraction 1: every element this rank steps
+    # Adam's two fp32 moments, the fp32 master and its gradient buffer: 16 bytes per element, none on the device
+    assert offload["state_bytes"] == {"device": 0, "host": 16 * offload["total"]}
+    assert offload["host_state_devices"] == ["cpu"]
+    # megatron's wrapper sees every parameter's state through the view (its checkpoints read it there)
+    assert offload["params_with_state"] == offload["params"]
+    assert offload["state_keys"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_shards_are_what_is_offloaded(results):
+    # the distributed optimizer and HSDP step this rank's half of the elements
+    runs = results["runs"]
+    assert runs["distopt"]["offload"]["total"] * 2 == runs["ddp"]["offload"]["total"]
+    assert runs["hsdp"]["offload"]["total"] * 2 == runs["ddp"]["offload"]["total"]
+    assert runs["hsdp-level3"]["offload"]["total"] * 2 == runs["ddp"]["offload"]["total"]
+
+
+def test_fraction_one_half_offloads_half(results):
+    half = results["runs"]["half"]["offload"]
+    total, offloaded = half["total"], half["offloaded"]
+    # parameters in order while the offloaded elements are below half: at most one parameter over
+    assert total / 2 <= offloaded < total / 2 + half["largest"]
+    assert half["state_bytes"] == {"device": 8 * (total - offloaded), "host": 16 * offloaded}
+    assert _differences(results["runs"]["ddp"]["reference"]["history"], half["history"]) == []
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_save_and_resume_through_megatrons_checkpoint(results, name):
+    # 2 steps, megatron torch_dist checkpoint (model + optimizer), a new model and optimizer loaded
+    # from it, the 3rd step: equal to the 3rd step of the run without interruption (and without offload)
+    resumed = results["resume"][name]
+    assert _differences(results["runs"][name]["reference"]["history"][-1:], resumed["history"]) == []
+    after_load = resumed["after_load"]
+    assert after_load["state_bytes"]["device"] == 0 and after_load["host_state_devices"] == ["cpu"]
+
+
+def test_state_dict_is_torchs_format_and_loads_weights_only(results):
+    # plain dicts of tensors (no hyper_adaptor class), so torch.load(weights_only=True) reads it
+    assert results["weights_only"] == {"keys": ["exp_avg", "exp_avg_sq", "step"], "entries": 52}

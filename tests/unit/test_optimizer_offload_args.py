@@ -1,0 +1,88 @@
+"""--optimizer-cpu-offload's flag handling (hyper_adaptor/features/memory_optimizer.py: adjust, validate;
+patches), one process. The served optimizer itself: tests/distributed/test_optimizer_offload_megatron.py."""
+
+import pytest
+
+import hyper_adaptor.megatron_adaptor as adaptor_module
+from hyper_adaptor.features import FeatureConfigError
+from hyper_adaptor.features.base import restore_hidden
+from hyper_adaptor.patch_manager import PatchManager
+from hyper_adaptor.features import memory_optimizer as optimizer
+from hyper_adaptor.patches.memory import optimizer as optimizer_patches
+from tests.unit.test_adaptor import megatron_args
+
+
+def _args(*flags):
+    return megatron_args("--optimizer-cpu-offload", *flags)
+
+
+def test_adjust_hides_the_flag_from_megatron_and_puts_it_back():
+    args = _args()
+    assert optimizer.adjust(args) == []
+    # megatron's validate_args asserts --use-precision-aware-optimizer when it sees the flag
+    assert args.optimizer_cpu_offload is False
+    restore_hidden(args)
+    assert args.optimizer_cpu_offload is True  # the OptimizerConfig megatron builds carries it to the seam
+
+
+def test_megatrons_precision_aware_flag_given_along_is_switched_off_with_a_notice():
+    args = _args("--use-precision-aware-optimizer")
+    notices = optimizer.adjust(args)
+    assert args.use_precision_aware_optimizer is False
+    assert len(notices) == 1 and notices[0].startswith("--use-precision-aware-optimizer: True -> False")
+    optimizer.validate(args)
+
+
+def test_without_the_flag_nothing_changes():
+    args = megatron_args("--use-precision-aware-optimizer")
+    assert optimizer.adjust(args) == []
+    assert args.use_precision_aware_optimizer is True and args.optimizer_cpu_offload is False
+    optimizer.validate(args)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (("--optimizer-offload-fraction", "1.5"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got 1.5"),
+        (("--optimizer-offload-fraction", "-0.1"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got -0.1"),
+        (("--optimizer", "lion"), "--optimizer-cpu-offload serves --optimizer adam or sgd .*got --optimizer lion"),
+        (("--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"), "--exp-avg-dtype bf16 .*cannot be served"),
+        (("--main-params-dtype", "fp16"), "--main-params-dtype fp16"),
+        (("--use-torch-fsdp2",), "--optimizer-cpu-offload cannot be combined with --use-torch-fsdp2"),
+        (("--optimizer-cuda-graph",), "--optimizer-cpu-offload cannot be combined with --optimizer-cuda-graph"),
+    ],
+)
+def test_combinations_that_cannot_work_are_errors_naming_the_flags(flags, message):
+    args = _args(*flags)
+    optimizer.adjust(args)
+    with pytest.raises(FeatureConfigError, match=message):
+        optimizer.validate(args)
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.5", "1"])
+def test_fractions_in_range_and_sgd_are_served(fraction):
+    args = _args("--optimizer-offload-fraction", fraction, "--optimizer", "sgd")
+    optimizer.adjust(args)
+    optimizer.validate(args)
+
+
+def test_through_the_adaptor_megatrons_command_line_passes_its_own_check():
+    # the memory feature calls adjust / validate; megatron's assertion (arguments.py:1803) sees the
+    # flag lowered, so `--optimizer-cpu-offload --use-precision-aware-optimizer` (megatron's spelling)
+    # and `--optimizer-cpu-offload` alone both get past it
+    for extra in ((), ("--use-precision-aware-optimizer",)):
+        args = _args(*extra)
+        adaptor_module.ADAPTOR.prepare(args, say=False)
+        assert args.optimizer_cpu_offload is False and args.use_precision_aware_optimizer is False
+        restore_hidden(args)
+        assert args.optimizer_cpu_offload is True
+
+
+def test_the_seam_resolves_in_the_installed_megatron():
+    manager = PatchManager()
+    manager.register_all(optimizer_patches.patches(_args()))
+    assert [p.target for p in optimizer_patches.patches(_args())] == [optimizer_patches.FACTORY]
+    with manager.applied():
+        import megatron.core.optimizer as mco
+
+        assert mco._get_megatron_optimizer_based_on_param_groups.__wrapped__ is not None
