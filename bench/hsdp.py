@@ -3,7 +3,7 @@ torch FSDP2: model-state memory and communication per rank against the ZeRO theo
 
 Run from the repository root::
 
-    python bench/hsdp.py            # about 3 minutes on 2 CPU cores (4 ranks, 33 rounds of 13 contenders)
+    python bench/hsdp.py            # about 5 minutes on 2 CPU cores (4 ranks, 33 rounds of 18 contenders)
     python bench/hsdp.py --quick    # smaller model, fewer steps (smoke run, under a minute)
 
 One gloo world of N = 4 ranks (hyper_adaptor/testing/world.py), fp32, Adam (lr 1e-3, no weight decay,
@@ -27,7 +27,9 @@ with ``use_cpu_initialization`` from one seed) under every contender:
   keeps its root), the ``-reshard-all`` row frees every unit after forward
   (``set_reshard_after_forward(True)``);
   every HSDP contender has its own CPU buffer pool (``hsdp(..., buffer_pool=HostBufferPool())``), whose
-  reserved bytes are printed under the table;
+  reserved bytes are printed under the table; every HSDP row has ``bucket_size`` ``--bucket-kb``
+  (default 4 MiB, below the 13 MiB model) but the ``-unbounded`` rows, ``bucket_size=-1``: the
+  behaviour before the bucket bound (issue 18), the same-run reference for step time and peak;
 * ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every layer, then the root, the same Adam
   (foreach).
 
@@ -61,6 +63,12 @@ What is measured
   ``hsdp_comm_bytes()`` delta over the same step is printed as a cross-check.
 * step time: median over the timed rounds after the warm-up, as ratios to Megatron's distributed
   optimizer and to FSDP2 (both ZeRO-style anchors).
+* peak memory of a step per rank (:func:`measure_peaks`, :class:`PeakRise`): bytes live at the start
+  of a steady-state step (model state as above + HSDP's pool) + the highest rise of allocated bytes
+  during it — on CPU from the allocator's events (torch's profiler, ``profile_memory=True``), on
+  CUDA/NPU ``max_memory_allocated`` — against the ZeRO theory as configured + the activations (the
+  plain model's forward + backward, measured the same way) + 2 buckets, and as ratios to Megatron's
+  distributed optimizer and to FSDP2.
 """
 
 from __future__ import annotations
@@ -108,8 +116,14 @@ CONTENDERS = {
     "hsdp-level3-gloo": ("hsdp", "level3", 0),
     # every unit freed after forward and gathered again for backward: exactly 3Ψ
     "hsdp-level3-reshard-all": ("hsdp", "level3", 0),
+    # bucket_size=-1: no bucket limit, the behaviour before issue 18 (the root's early all-gather of
+    # every unit and level 1's end-of-backward reduce-scatter each one whole-model collective)
+    "hsdp-level1-unbounded": ("hsdp", "level1", 0),
+    "hsdp-level2-unbounded": ("hsdp", "level2", 0),
+    "hsdp-level3-unbounded": ("hsdp", "level3", 0),
     "fsdp2": ("fsdp2", "zero3", None),
 }
+DEFAULT_BUCKET_KB_BENCH = 4096  # 4 MiB: smaller than the model (13 MiB), so the bound is not vacuous
 ZERO_STAGE = {"ddp": "ddp", "zero1": "zero1", "level1": "zero1", "level2": "zero2", "level3": "zero3", "zero3": "zero3"}
 
 
@@ -227,6 +241,97 @@ class CommCounter:
     def stop(self) -> dict:
         self.active = False
         return {"bytes": self.bytes, "ops": {k: {"calls": v[0], "bytes": v[1]} for k, v in sorted(self.calls.items())}}
+
+
+# --------------------------------------------------------------------------------------------------
+# peak memory of a step
+# --------------------------------------------------------------------------------------------------
+def high_water(deltas) -> int:
+    """The highest the running sum of ``deltas`` (bytes allocated > 0, freed < 0, in time order)
+    rises above its start: the peak of live bytes relative to what was live when counting began."""
+    live = top = 0
+    for nbytes in deltas:
+        live += nbytes
+        top = max(top, live)
+    return top
+
+
+PEAK_REPEATS = 2
+_MARK_BYTES = 7_777_777  # the size of the sentinel allocation PeakRise.mark() makes (unlikely elsewhere)
+
+
+class PeakRise:
+    """While entered, the highest rise of allocated bytes after :meth:`mark` above what was allocated
+    at the mark.
+
+    CUDA / NPU: the caching allocator's own counter (``reset_peak_memory_stats`` at the mark,
+    ``max_memory_allocated`` minus ``memory_allocated`` at the mark). CPU: torch keeps no statistics of
+    host memory, and the process RSS is drowned by the interpreter, so the allocator's events are
+    summed instead: torch's profiler with ``profile_memory=True`` records every allocation and free
+    of torch's CPU allocator (bytes as requested) on the profiled thread, and :func:`high_water` runs
+    through those after the mark in time order. The profiler reports no size for the free of a block
+    allocated before it started (it warns so), which would count a step's frees of the previous step's
+    buffers (gradients dropped by ``zero_grad``, level 1's spent full gradient) as nothing: so the
+    recording starts one step earlier, the measured step begins at :meth:`mark`, and the sizes of its
+    frees are known. The mark is found in the event stream as a sentinel allocation of an odd size.
+    Checked against hand-computed cases in tests/unit/test_hsdp_bench_peak.py. For gloo: the buffers
+    gloo allocates as torch tensors (its reduce-scatter's clone of the input, its all-gather's staging)
+    are allocated on the calling thread and counted; its socket buffers are not torch allocations,
+    for any contender. Allocations and frees on other threads are not seen: a tensor whose last
+    reference a gloo worker drops is never seen freed (the rise errs high), one a worker would allocate
+    is missed (none was found: the checks above). Pooled blocks (HSDP's HostBufferPool) allocated
+    before the mark are in the baseline the caller adds (``pool_bytes``); a block the pool allocates
+    or drops after it is an event."""
+
+    def __enter__(self):
+        from hyper_adaptor import platform
+
+        self.device = platform.device_type()
+        self.marked = False
+        if self.device == "cpu":
+            from torch.profiler import ProfilerActivity, profile
+
+            self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self.profiler.__enter__()
+        else:
+            self.mark()  # without a mark, the whole block is measured
+            self.marked = False
+        return self
+
+    def mark(self) -> None:
+        """The measured part begins here."""
+        self.marked = True
+        if self.device == "cpu":
+            torch.empty(_MARK_BYTES, dtype=torch.uint8)  # allocated and freed at once
+            return
+        from hyper_adaptor import platform
+
+        module = platform.device_module(self.device)
+        module.synchronize()
+        module.reset_peak_memory_stats()
+        self.start = module.memory_allocated()
+
+    def __exit__(self, *exc_info):
+        if self.device != "cpu":
+            from hyper_adaptor import platform
+
+            module = platform.device_module(self.device)
+            module.synchronize()
+            self.rise = int(module.max_memory_allocated()) - int(self.start)
+            return
+        self.profiler.__exit__(*exc_info)
+        # the raw allocator records ("[memory]" events, bytes signed), not the per-operator
+        # aggregates, which lose the order of allocations and frees
+        events = sorted((e for e in self.profiler.profiler.kineto_results.events()
+                         if e.name() == "[memory]" and str(e.device_type()).endswith("CPU")),
+                        key=lambda e: e.start_ns())
+        after = [e.nbytes() for e in events]
+        if self.marked:
+            at = max(i for i, n in enumerate(after) if n == _MARK_BYTES)  # the sentinel, then its free
+            after = after[at + 1 :]
+            if after and after[0] == -_MARK_BYTES:
+                after = after[1:]
+        self.rise = high_water(after)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -351,12 +456,13 @@ def make_gpt(dims: dict, init: dict | None):
 
 
 class Contender:
-    def __init__(self, name: str, dims: dict, init: dict):
+    def __init__(self, name: str, dims: dict, init: dict, bucket_kb: float = DEFAULT_BUCKET_KB_BENCH):
         self.name = name
         self.kind, self.level, self.threshold = CONTENDERS[name]
         self.stage = ZERO_STAGE[self.level]
         config, model = make_gpt(dims, init)
         self.pool = None
+        self.bucket_kb = -1 if name.endswith("-unbounded") else bucket_kb
         if self.kind == "megatron":
             self._build_megatron(config, model)
         elif self.kind == "hsdp":
@@ -365,7 +471,7 @@ class Contender:
             self.pool = HostBufferPool()  # its own, so that what it keeps is this contender's
             all_to_all = not name.endswith("-gloo")
             kwargs = dict(optimizer_level=self.level, threshold=self.threshold, comm_fusion=True,
-                          comm_async=name.endswith("-async"), buffer_pool=self.pool,
+                          bucket_size=self.bucket_kb, comm_async=name.endswith("-async"), buffer_pool=self.pool,
                           gloo_reduce_scatter_as_all_to_all=all_to_all, gloo_all_gather_as_all_to_all=all_to_all)
             for layer in model.decoder.layers:
                 hsdp(layer, **kwargs)
@@ -452,9 +558,30 @@ class Contender:
             return hsdp_state(self.model, self.optimizer)
         return fsdp2_state(self.model, self.optimizer)
 
+    def bucket_bytes(self) -> int:
+        """The largest collective buffer this contender's configuration allows (the "bucket" of the
+        peak bound): HSDP its bucket size (-1: every sharded parameter at once); megatron its bucket,
+        max(40 M, 1 M x DP) elements by default, capped by the model (one bucket here); FSDP2 its largest
+        unit, gathered whole."""
+        if self.kind == "hsdp":
+            whole_model = 4 * sum(p._hsdp_param.full.numel() for p in self.model.parameters())
+            return whole_model if self.bucket_kb == -1 else int(self.bucket_kb * 1024)
+        if self.kind == "megatron":
+            default_bucket = max(40_000_000, 1_000_000 * dist.get_world_size())
+            return 4 * min(sum(p.numel() for p in self.model.parameters()), default_bucket)
+        units = [4 * sum(fp.sharded_param.numel() for fp in group.fsdp_params)  # (a DTensor's numel is global)
+                 for module in self.model.modules() if hasattr(module, "_get_fsdp_state")
+                 for group in module._get_fsdp_state()._fsdp_param_groups]
+        return max(units, default=0)
+
     def pool_bytes(self) -> int | None:
         """Bytes HSDP's CPU buffer pool keeps reserved between steps (not model state)."""
         return self.pool.reserved_bytes() if self.pool is not None else None
+
+    def largest_pooled_block(self) -> int | None:
+        if self.pool is None:
+            return None
+        return max((b.numel() * b.element_size() for blocks in self.pool.free.values() for b in blocks), default=0)
 
     def hsdp_comm_bytes(self) -> int | None:
         return self.model.hsdp_comm_bytes() if self.kind == "hsdp" else None
@@ -476,7 +603,8 @@ def batch(step: int, rank: int, world: int, dims: dict) -> dict:
 # --------------------------------------------------------------------------------------------------
 # one rank
 # --------------------------------------------------------------------------------------------------
-def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup: int, steps: int) -> dict:
+def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup: int, steps: int,
+               bucket_kb: float = DEFAULT_BUCKET_KB_BENCH) -> dict:
     import warnings
 
     from megatron.core import parallel_state as ps
@@ -489,7 +617,7 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
     psi = sum(p.numel() for p in reference.parameters())  # tied embedding counted once
     del reference
 
-    contenders = [Contender(name, dims, init) for name in names]
+    contenders = [Contender(name, dims, init, bucket_kb) for name in names]
     counter = CommCounter()
     counter.install()
     comm_step = warmup - 1 if warmup >= 2 else 0  # steady state: level 1/2 re-gather after an update
@@ -526,6 +654,7 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
         counter.uninstall()
     state = {c.name: c.model_state() for c in contenders}
     pool = {c.name: c.pool_bytes() for c in contenders}
+    activation_rise, peak = measure_peaks(contenders, batch(warmup + steps, rank, world_size, dims), dims, init)
 
     # the loss of the global batch (mean over ranks) and the slowest rank's time per step
     loss_tensor = torch.tensor([losses[c.name] for c in contenders], dtype=torch.float64)
@@ -547,7 +676,48 @@ def bench_rank(rank: int, world_size: int, dims: dict, names: list[str], warmup:
         "comm": comm,
         "hsdp_comm_bytes": hsdp_comm,
         "comm_step": comm_step,
+        "activation_rise": activation_rise,
+        "peak": peak,
     }
+
+
+def measure_peaks(contenders: list, data: dict, dims: dict, init: dict) -> tuple[int, dict]:
+    """Two more steps per contender (not timed, after the timed ones, so levels 1/2 re-gather after an
+    update as in every steady-state step), the allocations of the second measured (:class:`PeakRise`);
+    done ``PEAK_REPEATS`` times, the highest kept (the same step measured twice has differed by up to
+    5 MiB for megatron's distributed optimizer: allocations made or freed on gloo's threads are not
+    seen, see PeakRise).
+
+    A step's peak = the bytes live when it starts (model state, each storage once, plus what HSDP's
+    pool holds) + the highest rise above that during zero_grad, forward, backward, gradient
+    reduction and ``optimizer.step()``. Also measured, once: the rise of forward + backward of the
+    plain model in one process, its gradients already allocated (so not counted) — the activations
+    and per-operator temporaries every contender pays alike, which no ZeRO level removes."""
+    _, plain = make_gpt(dims, init)
+    args = (data["tokens"], data["position_ids"], data["attention_mask"])
+    with PeakRise() as measured:
+        plain(*args, labels=data["labels"]).mean().backward()  # the gradients exist from now on
+        for p in plain.parameters():
+            p.grad.zero_()
+        measured.mark()
+        plain(*args, labels=data["labels"]).mean().backward()
+    activation_rise = measured.rise
+    del plain
+    peak = {}
+    for c in contenders:
+        repeats = []
+        for _ in range(PEAK_REPEATS):
+            with PeakRise() as measured:
+                c.step(data)  # recorded so that the sizes of what the measured step frees are known
+                start = sum(c.model_state().values()) + (c.pool_bytes() or 0)
+                dist.barrier()
+                measured.mark()
+                c.step(data)
+            repeats.append((start, measured.rise))
+        start, rise = max(repeats, key=sum)
+        peak[c.name] = {"start_bytes": start, "rise_bytes": rise, "repeats": repeats, "bucket_bytes": c.bucket_bytes(),
+                        "pool_bytes_after": c.pool_bytes(), "largest_pooled_block_after": c.largest_pooled_block()}
+    return activation_rise, peak
 
 
 # --------------------------------------------------------------------------------------------------
@@ -559,14 +729,23 @@ def run(args) -> dict:
     dims = dict(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq,
                 micro_batch=args.micro_batch)
     names = list(CONTENDERS)
+    if args.contenders:
+        wanted = set(args.contenders.split(",")) | {"megatron-ddp", "megatron-distopt", "fsdp2"}  # the anchors
+        unknown = wanted - set(names)
+        if unknown:
+            raise SystemExit(f"--contenders: unknown {sorted(unknown)}; known: {', '.join(names)}")
+        names = [n for n in names if n in wanted]
     load_before = os.getloadavg()
     results = run_world(WORLD, "bench.hsdp:bench_rank", timeout=args.timeout, dims=dims, names=names,
-                        warmup=args.warmup, steps=args.steps)
+                        warmup=args.warmup, steps=args.steps, bucket_kb=args.bucket_kb)
     r0 = results[0]
     psi, n = r0["psi"], WORLD
     ref_loss = r0["loss"]["megatron-ddp"]
     rows = []
     medians = {name: statistics.median(r0["step_s"][name]) for name in names}
+    activation_rise = max(res["activation_rise"] for res in results)
+    peaks = {name: max(res["peak"][name]["start_bytes"] + res["peak"][name]["rise_bytes"] for res in results)
+             for name in names}
     for name in names:
         kind, level, threshold = CONTENDERS[name]
         stage = ZERO_STAGE[level]
@@ -601,6 +780,19 @@ def run(args) -> dict:
             "hsdp_comm_bytes_rank0": r0["hsdp_comm_bytes"].get(name),
             "hsdp_pool_bytes_max": (None if r0["pool_bytes"][name] is None
                                     else max(res["pool_bytes"][name] for res in results)),
+            # peak of a step (max over ranks) against the configured theory + activations + 2 buckets
+            "peak_bytes_max": peaks[name],
+            "peak_start_bytes_rank0": r0["peak"][name]["start_bytes"],
+            "peak_rise_bytes_rank0": r0["peak"][name]["rise_bytes"],
+            "bucket_bytes": r0["peak"][name]["bucket_bytes"],
+            "activation_rise_bytes": activation_rise,
+            "peak_bound_bytes": state_configured + activation_rise + 2 * r0["peak"][name]["bucket_bytes"],
+            "peak_vs_bound": peaks[name] / (state_configured + activation_rise + 2 * r0["peak"][name]["bucket_bytes"]),
+            "peak_vs_megatron_distopt": peaks[name] / peaks["megatron-distopt"],
+            "peak_vs_fsdp2": peaks[name] / peaks["fsdp2"],
+            "pool_bytes_after_peak_step_max": (None if r0["peak"][name]["pool_bytes_after"] is None
+                                               else max(res["peak"][name]["pool_bytes_after"] for res in results)),
+            "largest_pooled_block_after_bytes": r0["peak"][name]["largest_pooled_block_after"],
             "step_ms_median": medians[name] * 1000,
             "step_ms_all": [t * 1000 for t in r0["step_s"][name]],
             "rank0_forward_backward_ms_median": backward_s * 1000, "rank0_optimizer_ms_median": optimizer_s * 1000,
@@ -612,6 +804,7 @@ def run(args) -> dict:
         "world": n, "dtype": "fp32", "optimizer": f"Adam lr={LR}, no weight decay, no clipping",
         "model": dict(dims, psi=psi, ffn=4 * args.hidden, spec="megatron-core GPTModel, local spec, tied embedding"),
         "warmup": args.warmup, "steps": args.steps, "comm_step": r0["comm_step"] + 1,
+        "hsdp_bucket_kb": args.bucket_kb, "activation_rise_bytes": activation_rise,
         "machine": dict(_machine_of_ranks(), load_average_1min_before_after=[load_before[0], os.getloadavg()[0]]),
         "rows": rows,
     }
@@ -679,10 +872,38 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         ops = ", ".join(f"{op} {v['calls']}x {_mib(v['bytes'])}" for op, v in r["comm_ops_rank0"].items())
         notes.append(f"  {r['contender']}: {ops}")
+    notes += ["", peak_table(result)]
     notes.append("")
     notes.append(f"Loss at step {result['warmup'] + result['steps']} relative to DDP's: " + ", ".join(
         f"{r['contender']} {r['last_loss_rel_diff']:.1e}" for r in result["rows"]))
     return "\n".join(lines + notes)
+
+
+def peak_table(result: dict) -> str:
+    """Peak bytes of a step per rank: the model state and pool live at its start, the rise above it
+    (allocator events), against the bound theory + activations + 2 buckets, distopt and FSDP2."""
+    head = ("contender", "bucket MiB", "start MiB (state + pool)", "rise MiB", "peak MiB",
+            "bound MiB (theory + act. + 2 buckets)", "x bound", "x distopt", "x fsdp2",
+            "pool after MiB (largest block)")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["rows"]:
+        pool = ("-" if r["pool_bytes_after_peak_step_max"] is None else
+                f"{_mib(r['pool_bytes_after_peak_step_max'])} ({_mib(r['largest_pooled_block_after_bytes'])})")
+        lines.append("| " + " | ".join((
+            r["contender"], _mib(r["bucket_bytes"]), _mib(r["peak_start_bytes_rank0"]),
+            _mib(r["peak_rise_bytes_rank0"]), _mib(r["peak_bytes_max"]), _mib(r["peak_bound_bytes"]),
+            f"{r['peak_vs_bound']:.3f}", f"{r['peak_vs_megatron_distopt']:.3f}", f"{r['peak_vs_fsdp2']:.3f}", pool,
+        )) + " |")
+    lines.append("")
+    lines.append(
+        f"Peak of one step per rank (max over ranks; start and rise: rank 0), measured after the timed steps: "
+        f"bytes live at its start (model state as above + HSDP's pool) + the highest rise of allocated bytes "
+        f"during it (CPU: torch's profiler memory events, summed in time order; CUDA/NPU: "
+        f"max_memory_allocated). Activations (act.): forward + backward of the plain model in one process, "
+        f"its gradients already allocated: {_mib(result['activation_rise_bytes'])} MiB. Bound = ZeRO theory as "
+        f"configured + act. + 2 x bucket; bucket: HSDP bucket_size ({result['hsdp_bucket_kb']:g} KB; the "
+        f"-unbounded rows: the whole model), megatron's bucket (the whole model here), FSDP2's largest unit.")
+    return "\n".join(lines)
 
 
 def main(argv=None):
@@ -696,6 +917,10 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--bucket-kb", type=float, default=DEFAULT_BUCKET_KB_BENCH,
+                        help="HSDP bucket_size of every hsdp row but the -unbounded ones (KB)")
+    parser.add_argument("--contenders", default="",
+                        help="comma-separated subset of rows (megatron-ddp, megatron-distopt, fsdp2 always run)")
     parser.add_argument("--quick", action="store_true", help="hidden 128, 2 layers, seq 64, 2 warm-up + 3 steps")
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ hyper_adaptor/parallel/hsdp; megatron seam: hyper_adaptor/patches/hsdp.
 from __future__ import annotations
 
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
-from hyper_adaptor.patches.hsdp.patches import REDUCE_DTYPES
+from hyper_adaptor.patches.hsdp.patches import DEFAULT_BUCKET_KB, REDUCE_DTYPES
 
 
 class HSDP(Feature):
@@ -23,8 +23,9 @@ class HSDP(Feature):
              {"type": int, "default": -1}),
         Flag("--hsdp-threshold-kb", "parameters smaller than this (KB) are kept whole on every rank",
              {"type": float, "default": 64.0}),
-        Flag("--hsdp-bucket-size-kb", "fused communication bucket (KB); -1: one per module, 0: one per parameter",
-             {"type": float, "default": -1.0}),
+        Flag("--hsdp-bucket-size-kb", "communication bucket (KB): the most one collective's buffer holds "
+             "(default 25600, torch DDP's 25 MB); -1: one per module and no limit, 0: one per parameter",
+             {"type": float, "default": float(DEFAULT_BUCKET_KB)}),
         Flag("--hsdp-comm-async", "overlap gradient reduction with the rest of backward"),
         Flag("--hsdp-reduce-dtype", "dtype of the gradient reduction (default: the parameters' dtype)",
              {"choices": tuple(REDUCE_DTYPES), "default": None}),

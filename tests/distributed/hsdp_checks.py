@@ -218,6 +218,65 @@ def extras(rank: int, world_size: int) -> dict:
     out["per_object"] = _per_object_settings()
     out["reshard_schedule"] = _reshard_schedule()
     out["in_flight"] = _reductions_in_flight()
+    out["bucket_bound"] = _bucket_bound()
+    return out
+
+
+BOUND_BUCKET_KB = 3  # larger than every sharded parameter (2.5 KB at most), far smaller than the model
+
+
+class _RecordingTorch:
+    """Stands in for ``torch`` inside hyper_adaptor/parallel/hsdp/_bucket.py: records the bytes of
+    every buffer that module allocates with ``torch.empty`` (gather send buffers, reduction outputs,
+    all-reduce buffers of whole parameters); everything else is torch's."""
+
+    def __init__(self, real, sizes: list):
+        self._real, self._sizes = real, sizes
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def empty(self, *args, **kwargs):
+        t = self._real.empty(*args, **kwargs)
+        self._sizes.append(t.numel() * t.element_size())
+        return t
+
+
+def _bucket_bound() -> dict:
+    """``bucket_size`` smaller than the model (3 KB; the model's sharded parameters are ~16 KB): per
+    level, 3 Adam steps (so levels 1/2 re-gather every unit after an optimizer step, and level 1 reduces
+    at the end of backward) recording the largest communication buffer allocated in a step — every
+    block the pool hands out (a reused block counted at its whole size) and every buffer _bucket.py
+    allocates itself — the largest block the pool holds after the steps, and parity."""
+    from hyper_adaptor.parallel.hsdp import HostBufferPool, _bucket
+
+    class RecordingPool(HostBufferPool):
+        def take(self, numel, dtype, device):
+            t = super().take(numel, dtype, device)
+            block = t if t._base is None else t._base
+            sizes.append(block.numel() * block.element_size())
+            return t
+
+    ref = reference()
+    out = {"bucket_bytes": int(BOUND_BUCKET_KB * 1024)}
+    real = _bucket.torch
+    for level in ("level1", "level2", "level3"):
+        sizes: list[int] = []
+        pool = RecordingPool()
+        model = wrap(make_model(), optimizer_level=level, shard_size=4, threshold=THRESHOLD_KB, comm_fusion=True,
+                     bucket_size=BOUND_BUCKET_KB, buffer_pool=pool)
+        _bucket.torch = _RecordingTorch(real, sizes)
+        try:
+            losses = train(model)
+        finally:
+            _bucket.torch = real
+        out[level] = {
+            "problems": compare(ref, losses, full_params(model)),
+            "largest_buffer": max(sizes, default=0), "buffers": len(sizes),
+            "largest_pooled_after": max((b.numel() * b.element_size() for bs in pool.free.values() for b in bs),
+                                        default=0),
+            "model_bytes": sum(p._hsdp_param.full.numel() * 4 for p in model.parameters() if p._hsdp_param.sharded),
+        }
     return out
 
 
@@ -268,7 +327,9 @@ def _reductions_in_flight() -> dict:
 
 def _reshard_schedule() -> dict:
     """Level 3: which units hold their full parameters between forward and backward (default: the
-    root and the last block; ``set_reshard_after_forward(True)``: none), after backward (none), after a
+    root and the last block; ``set_reshard_after_forward(True)``: none), inside backward once the first
+    block's gradients are packed (only the root, whose tied embedding's gradient comes last: every
+    block's full parameters were freed as their gradients were packed), after backward (none), after a
     forward without grad (none); the bytes gathered per step either way; parity of both with the
     reference."""
     ref = reference()
@@ -289,12 +350,19 @@ def _reshard_schedule() -> dict:
         with torch.no_grad():
             loss_of(model, mine)
         after_no_grad = held(model)
+        # inside backward, once blocks.0.fc1.weight's gradient is accumulated (HSDP's own hook, registered
+        # first, has packed it for reduction): which units still hold full parameters
+        fc1 = next(hp for hp in model.blocks[0]._hsdp_state.params if hp.owners[0] == (model.blocks[0].fc1, "weight"))
+        during: dict = {}
+        hook = fc1.full.register_post_accumulate_grad_hook(lambda _: during.update(held(model)))
         before = model.hsdp_comm_bytes()
         loss = loss_of(model, mine)
         between = held(model)
         loss.backward()
+        hook.remove()
         out[variant] = {"problems": problems, "after_no_grad": after_no_grad, "between": between,
-                        "after_backward": held(model), "step_bytes": model.hsdp_comm_bytes() - before}
+                        "during_backward": during, "after_backward": held(model),
+                        "step_bytes": model.hsdp_comm_bytes() - before}
     try:
         model.set_reshard_after_forward("yes")
     except ValueError as exc:

@@ -144,6 +144,8 @@ def test_level3_keeps_root_and_last_unit_gathered_until_backward(extras):
     assert default["between"] == {"root": True, "blocks.0": False, "blocks.1": False, "blocks.2": True}
     assert everything["between"] == {"root": False, "blocks.0": False, "blocks.1": False, "blocks.2": False}
     for variant in (default, everything):
+        # a unit's full parameters are freed once its gradients are packed, not at the end of backward
+        assert variant["during_backward"] == {"root": True, "blocks.0": False, "blocks.1": False, "blocks.2": False}
         assert not any(variant["after_backward"].values())
         assert not any(variant["after_no_grad"].values())
     # the two kept units are not gathered a second time for backward: fewer bytes, never more
@@ -156,3 +158,15 @@ def test_sync_reduction_keeps_one_in_flight_async_keeps_all(extras, level):
     sync, overlapped = extras["in_flight"][f"{level}-sync"], extras["in_flight"][f"{level}-async"]
     assert sync["most"] == 1 and sync["left"] == 0 and sync["overlapped"] >= 3
     assert overlapped["most"] > 1 and overlapped["left"] == 0
+
+
+@pytest.mark.parametrize("level", ["level1", "level2", "level3"])
+def test_communication_buffers_stay_within_the_bucket_size(extras, level):
+    """bucket_size smaller than the model: no communication buffer of a step (pooled or allocated by
+    _bucket.py) and no block the pool keeps afterwards is larger than the bucket; parity holds."""
+    r = extras["bucket_bound"]
+    got = r[level]
+    assert got["problems"] == []
+    assert got["model_bytes"] > 4 * r["bucket_bytes"] and got["buffers"] > 0  # the bound is not vacuous
+    assert got["largest_buffer"] <= r["bucket_bytes"], got
+    assert 0 < got["largest_pooled_after"] <= r["bucket_bytes"], got

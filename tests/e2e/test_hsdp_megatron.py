@@ -30,7 +30,10 @@ LAYOUTS = {
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
 }
 RUNS = {
-    "DP4-level1-hybrid": ("DP4", ["--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0", "--hsdp-shard-size", "2"]),
+    # 16 KB buckets, far below the model: level 1's end-of-backward reduction and the root's early
+    # all-gather run as many bucket-sized collectives
+    "DP4-level1-hybrid": ("DP4", ["--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0", "--hsdp-shard-size", "2",
+                                  "--hsdp-bucket-size-kb", "16"]),
     "DP4-level2-async-default-threshold": ("DP4", ["--hsdp-optimizer-level", "level2", "--hsdp-comm-async"]),
     "DP4-level3": ("DP4", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "DP4-MoE-level3": ("DP4-MoE", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),

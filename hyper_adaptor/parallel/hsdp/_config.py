@@ -12,6 +12,18 @@ import torch
 
 OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 
+# The default communication bucket, in KB: torch DDP's default ``bucket_cap_mb`` (25 MB). Megatron's DDP
+# default, max(40 M, 1 M x data-parallel size) elements (160 MB of fp32 and more), favours few, very
+# large collectives and bounds nothing below that size; torch's is the smaller of the two common
+# defaults and already amortises a collective's fixed cost (a rendezvous of every rank, a launch): on
+# the 2-core CI box (bench/hsdp.py, 13 MiB model) 8 MiB buckets cost no step time against one
+# whole-model collective, 4 MiB ~5%, 1 MiB ~30% (docs/features/hsdp.md, "bucket size"), so the
+# default stays well above where that cost begins while bounding every model larger than it. Every
+# transient communication buffer of HSDP is at most one bucket (a single parameter larger than it goes
+# alone), so the bucket is also what HSDP adds to the peak memory of a step beyond the model state:
+# about two buckets (four at level 3 in backward, see _bucket.py).
+DEFAULT_BUCKET_KB = 25 * 1024
+
 
 def _fail(name: str, must: str, value) -> None:
     raise ValueError(f"hsdp: {name} must be {must}; got {value!r}")
@@ -54,7 +66,11 @@ class HSDPConfig:
     param_dtype: torch.dtype | None = None
     comm_async: bool = False
     comm_fusion: bool = False
-    bucket_size: float = -1  # KB; -1 one bucket per wrapped module, 0 one per parameter
+    # KB: the most bytes one collective moves (its gathered / reduced buffer): parameters are packed into
+    # buckets up to it (with comm_fusion) and the fused collectives across units (the root's early
+    # all-gather at levels 1/2, level 1's end-of-backward reduce-scatter) are cut into runs of at most
+    # it; -1: no limit (one bucket per wrapped module, one collective for every unit); 0: one parameter.
+    bucket_size: float = DEFAULT_BUCKET_KB
     offload: bool = False
     cast_forward_inputs: bool = False
     # On gloo with CPU tensors, do the shard group's reduce-scatter / all-gather as an all-to-all
@@ -114,4 +130,9 @@ class HSDPConfig:
         """Bytes per fused bucket; None: one bucket for the whole module; 0: one per parameter."""
         if not self.comm_fusion:
             return 0
+        return self.budget_bytes()
+
+    def budget_bytes(self) -> int | None:
+        """The most bytes of one collective's buffer (None: no limit); also bounds the fused collectives
+        across units, with or without ``comm_fusion``."""
         return None if self.bucket_size == -1 else int(self.bucket_size * 1024)

@@ -171,7 +171,8 @@ class HSDPState:
             self._nested_states()  # (the first forward also sets the default prefetch)
         if self.is_root and not self._in_backward and not self.config.reshard_after_forward:
             # Levels 1 and 2 keep the full parameters, so after an optimizer step every unit is
-            # stale at once: the root starts all the gathers together (async, in forward order)
+            # stale at once: the root submits all the gathers together (async, in forward order, as
+            # collectives of at most a bucket each, one in flight at a time: _bucket._GatherQueue)
             # rather than each unit blocking on its own in turn when its forward begins.
             launch = []
             for state in (self, *self._nested_states()):
@@ -332,10 +333,11 @@ def _end_of_backward() -> None:
     _wait_in_flight()
     # Level 1, synchronous: the full gradients stay anyway and a blocking reduction per bucket would
     # not overlap with anything, so every unit's buckets are reduced here in one collective (per
-    # compatible group), in the order the units joined backward (the same on every rank).
+    # compatible group) where they fit the bucket size, else in runs of at most a bucket one after
+    # the other, in the order the units joined backward (the same on every rank).
     # Parameters kept whole (below the threshold) are small by definition: a collective of its own
     # per unit would cost a rendezvous of every rank for a few KB, so at every level they are
-    # all-reduced here together, in one collective.
+    # all-reduced here together, in one collective (per run of at most a bucket).
     deferred = []
     for state in states:
         if not state.requires_grad_sync:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from hyper_adaptor import platform
-from hyper_adaptor.parallel.hsdp._config import HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
+from hyper_adaptor.parallel.hsdp._config import DEFAULT_BUCKET_KB, HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
 from hyper_adaptor.parallel.hsdp._mesh import build_mesh
 from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 from hyper_adaptor.parallel.hsdp._state import HSDPState, sync_all
@@ -114,7 +114,7 @@ def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int,
 def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimizer_level: str = "level1",
          enable_grad_accumulation: bool = False, use_eager_hook: bool = True, grad_scale: float = 1.0,
          reduce_dtype: torch.dtype | None = None, comm_async: bool = False, comm_fusion: bool = False,
-         bucket_size: float = -1, *, group: dist.ProcessGroup | None = None,
+         bucket_size: float = DEFAULT_BUCKET_KB, *, group: dist.ProcessGroup | None = None,
          param_dtype: torch.dtype | None = None, offload: bool = False,
          gloo_reduce_scatter_as_all_to_all: bool = True, gloo_all_gather_as_all_to_all: bool = True,
          buffer_pool: HostBufferPool | None = None) -> nn.Module:
@@ -123,7 +123,9 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
     ``optimizer_level``: ``"level1"`` shards optimizer state, ``"level2"`` also gradients,
     ``"level3"`` also parameters. ``shard_size``: ranks per shard group (-1: the whole group); the
     groups beyond it hold replicas. ``threshold`` (KB): smaller parameters stay whole.
-    ``comm_fusion`` + ``bucket_size`` (KB; -1 one bucket, 0 one per parameter) pack collectives.
+    ``bucket_size`` (KB, default 25 MiB as torch DDP's): the most bytes one collective's buffer holds
+    (a larger parameter goes alone); ``comm_fusion`` packs parameters into buckets up to it (-1: one
+    bucket per module and no limit anywhere, 0: one collective per parameter).
     ``comm_async`` overlaps gradient reduction with the rest of backward. Gradients are averaged
     over the data-parallel group, then multiplied by ``grad_scale``, reduced in ``reduce_dtype``.
     ``gloo_reduce_scatter_as_all_to_all`` / ``gloo_all_gather_as_all_to_all``: on gloo (CPU), run
@@ -144,11 +146,12 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
 
 def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecisionPolicy | None = None, offload_policy: OffloadPolicy | None = None,
-                comm_fusion: bool = True, gloo_reduce_scatter_as_all_to_all: bool = True,
+                comm_fusion: bool = True, bucket_size: float = DEFAULT_BUCKET_KB,
+                gloo_reduce_scatter_as_all_to_all: bool = True,
                 gloo_all_gather_as_all_to_all: bool = True, buffer_pool: HostBufferPool | None = None) -> nn.Module:
     """FSDP2-style entry: ``reshard_after_forward=True`` is level 3, False level 2; ``mesh`` is a
     1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) one (HSDP); None: the world. The
-    gloo switches and ``buffer_pool`` are :func:`hsdp`'s."""
+    gloo switches, ``bucket_size`` and ``buffer_pool`` are :func:`hsdp`'s."""
     if mesh is None:
         group, shard_size = None, -1
     elif mesh.ndim == 1:
@@ -168,7 +171,7 @@ def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = T
     config = HSDPConfig(
         shard_size=shard_size, threshold=0, optimizer_level="level3" if reshard_after_forward else "level2",
         enable_grad_accumulation=True, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-        cast_forward_inputs=mp.cast_forward_inputs, comm_fusion=comm_fusion, bucket_size=-1,
+        cast_forward_inputs=mp.cast_forward_inputs, comm_fusion=comm_fusion, bucket_size=bucket_size,
         offload=offload_policy is not None, gloo_reduce_scatter_as_all_to_all=gloo_reduce_scatter_as_all_to_all,
         gloo_all_gather_as_all_to_all=gloo_all_gather_as_all_to_all,
     )

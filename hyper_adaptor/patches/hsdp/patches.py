@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from hyper_adaptor.parallel.hsdp._config import DEFAULT_BUCKET_KB
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "hsdp"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["DEFAULT_BUCKET_KB", "REDUCE_DTYPES", "hsdp_kwargs", "patches"]  # the bucket default: the flag's (features/)
 
 
 def hsdp_kwargs(args) -> dict:
@@ -20,7 +22,8 @@ def hsdp_kwargs(args) -> dict:
         "threshold": args.hsdp_threshold_kb,
         "comm_async": bool(args.hsdp_comm_async),
         "comm_fusion": args.hsdp_bucket_size_kb != 0,
-        "bucket_size": args.hsdp_bucket_size_kb if args.hsdp_bucket_size_kb != 0 else -1,
+        # 0: no fusion and no fused collective across units either (one collective per parameter)
+        "bucket_size": args.hsdp_bucket_size_kb,
         "reduce_dtype": REDUCE_DTYPES[reduce] if reduce else None,
         "enable_grad_accumulation": True,
     }
