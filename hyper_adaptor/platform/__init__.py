@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 import torch
 
@@ -113,32 +114,42 @@ def current_memory_bytes() -> int:
 
 
 class HostEvent:
-    """CPU stand-in for a device event: the work it marks has already run when it is recorded."""
+    """A device event on the host (also ``torch.cuda.Event`` on a CPU-only process, patches/compat/torch_cpu.py):
+    the work it marks has already run when it is recorded."""
 
-    def __init__(self) -> None:
-        self.recorded = False
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
+        self._time = None
 
-    def record(self, stream=None) -> None:
-        self.recorded = True
+    def record(self, stream=None):
+        self._time = time.perf_counter()
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream=None):
         pass
 
-    def query(self) -> bool:
+    def synchronize(self):
+        pass
+
+    def query(self):
         return True
 
-    def synchronize(self) -> None:
-        pass
+    def elapsed_time(self, end_event):
+        return (end_event._time - self._time) * 1000.0
 
 
 class HostStream:
-    """CPU stand-in for a device stream: work issued "on" it runs synchronously, so there is nothing to
-    order and nothing to wait for."""
+    """A device stream on the host (also ``torch.cuda.Stream`` on a CPU-only process): one in-order queue,
+    work issued "on" it runs synchronously, so every wait is already satisfied."""
 
-    def wait_stream(self, stream) -> None:
+    device = torch.device("cpu")
+    cuda_stream = 0
+
+    def __init__(self, device=None, priority=0, **kwargs):
         pass
 
-    def wait_event(self, event) -> None:
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
         pass
 
     def record_event(self, event=None):
@@ -146,14 +157,20 @@ class HostStream:
         event.record(self)
         return event
 
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
+    def synchronize(self):
         pass
 
+    def query(self):
+        return True
 
-_HOST_STREAM = HostStream()
+    def __eq__(self, other):
+        return isinstance(other, HostStream)
+
+    def __hash__(self):
+        return 0
+
+
+HOST_STREAM = HostStream()
 _copy_streams: dict = {}
 
 
@@ -164,19 +181,19 @@ def copies_are_async(dev: str | None = None) -> bool:
 
 def new_stream(dev: str | None = None):
     dev = dev or device_type()
-    return _HOST_STREAM if dev == "cpu" else device_module(dev).Stream()
+    return HOST_STREAM if dev == "cpu" else device_module(dev).Stream()
 
 
 def current_stream(dev: str | None = None):
     dev = dev or device_type()
-    return _HOST_STREAM if dev == "cpu" else device_module(dev).current_stream()
+    return HOST_STREAM if dev == "cpu" else device_module(dev).current_stream()
 
 
 def copy_stream(dev: str | None = None):
     """The process's side stream for host<->device copies (one per device type and device index)."""
     dev = dev or device_type()
     if dev == "cpu":
-        return _HOST_STREAM
+        return HOST_STREAM
     key = (dev, device_module(dev).current_device())
     if key not in _copy_streams:
         _copy_streams[key] = device_module(dev).Stream()

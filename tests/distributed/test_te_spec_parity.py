@@ -25,13 +25,14 @@ _TE_TO_LOCAL = [
 ]
 
 
+def _local_name(name: str) -> str:
+    for pattern, local in _TE_TO_LOCAL:
+        name = pattern.sub(local, name)
+    return name
+
+
 def _local_names(tensors: dict) -> dict:
-    out = {}
-    for name, value in tensors.items():
-        for pattern, local in _TE_TO_LOCAL:
-            name = pattern.sub(local, name)
-        out[name] = value
-    return out
+    return {_local_name(name): value for name, value in tensors.items()}
 
 
 # multi-latent attention (DeepSeek's MLA: low-rank q and kv, YaRN RoPE on a part of each head, key and
@@ -45,7 +46,7 @@ class _LookedUpByTENames(dict):
     """A local-named full state that the TE-spec model's loader reads under its own names."""
 
     def __getitem__(self, name):
-        return super().__getitem__(next(iter(_local_names({name: None}))))
+        return super().__getitem__(_local_name(name))
 
 
 def train_both_specs(rank: int, world_size: int, tp: int, sequence_parallel: bool = False, mla: bool = False,

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.compat.arguments import have_transformer_engine
 
 FEATURE = "compat"
 RNG_MODULE = "megatron.core.tensor_parallel.random"
@@ -235,12 +236,6 @@ def _leaves_outside_checkpoint(original_checkpoint):
     return checkpoint
 
 
-def _te_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def patches(device_type: str) -> list[Patch]:
     """Level-0 megatron.core patches for ``device_type``."""
     result = [
@@ -259,7 +254,7 @@ def patches(device_type: str) -> list[Patch]:
         Patch(DOT_PRODUCT_INIT, _head_sizes_of_mla, "wrap", FEATURE),
         Patch(CHECKPOINT, _leaves_outside_checkpoint, "wrap", FEATURE),
     ]
-    if not _te_importable():
+    if not have_transformer_engine():
         result.append(Patch(CHECKPOINT_WITHOUT_OUTPUT_INIT, _no_fp8_without_te, "wrap", FEATURE))
     if device_type == "cpu":
         result.append(Patch(f"{RNG_MODULE}._set_cuda_rng_state", set_device_rng_state_on_host, "replace", FEATURE))

@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 import types
 
 import torch
 
+from hyper_adaptor import platform
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "compat"
@@ -83,62 +83,8 @@ def _tensor_pin_memory(self, *args, **kwargs):
     return self
 
 
-class HostEvent:
-    """``torch.cuda.Event`` on the host: work is already complete when recorded."""
-
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False, external=False):
-        self._time = None
-
-    def record(self, stream=None):
-        self._time = time.perf_counter()
-
-    def wait(self, stream=None):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def elapsed_time(self, end_event):
-        return (end_event._time - self._time) * 1000.0
-
-
-class HostStream:
-    """``torch.cuda.Stream`` on the host: one in-order queue, so every wait is already satisfied."""
-
-    device = _CPU
-    cuda_stream = 0
-
-    def __init__(self, device=None, priority=0, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        event = event or HostEvent()
-        event.record(self)
-        return event
-
-    def synchronize(self):
-        pass
-
-    def query(self):
-        return True
-
-    def __eq__(self, other):
-        return isinstance(other, HostStream)
-
-    def __hash__(self):
-        return 0
-
-
-_HOST_STREAM = HostStream()
+_HOST_STREAM = platform.HOST_STREAM
+HostEvent, HostStream = platform.HostEvent, platform.HostStream
 
 
 def _stream_context(stream=None):

@@ -91,14 +91,12 @@ def _saving_matmuls(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if name in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_to_layer(layer, local_index: int, plan: MemoryPlan) -> list[str]:
-    """Wrap ``layer``'s submodules per ``plan``; returns the paths wrapped (for tests and describe)."""
+def apply_to_layer(layer, local_index: int, plan: MemoryPlan) -> None:
+    """Wrap ``layer``'s submodules per ``plan``."""
     from hyper_adaptor.memory import checkpoint_wrapper, swap_wrapper
 
-    done = []
     if plan.recompute_activation and _submodule(layer, "mlp") is not None:
         checkpoint_wrapper(layer.mlp, _saving_matmuls, tag=f"layer{layer.layer_number}.mlp.recompute")
-        done.append("mlp:recompute_activation")
     names = ("layer",) if local_index < plan.swap_first_layers else plan.swap
     for name in names:
         for path in SWAP_TARGETS[name]:
@@ -106,8 +104,6 @@ def apply_to_layer(layer, local_index: int, plan: MemoryPlan) -> list[str]:
             if module is None or _is_identity(module):
                 continue
             swap_wrapper(module, manager=plan.swap_manager(), tag=f"layer{layer.layer_number}.{path or 'layer'}")
-            done.append(path or "layer")
-    return done
 
 
 def _block_init(plan: MemoryPlan):
@@ -115,7 +111,8 @@ def _block_init(plan: MemoryPlan):
         @functools.wraps(original_init)
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
-            self.hyper_memory = [apply_to_layer(layer, i, plan) for i, layer in enumerate(self.layers)]
+            for i, layer in enumerate(self.layers):
+                apply_to_layer(layer, i, plan)
 
         return __init__
 
@@ -128,10 +125,4 @@ def patches(plan: MemoryPlan) -> list[Patch]:
     return [Patch(BLOCK_INIT, _block_init(plan), "wrap", FEATURE)]
 
 
-def swapped_bytes(plan: MemoryPlan) -> int:
-    """Bytes the plan's swap manager moved to the host so far (0 without swapping)."""
-    return 0 if plan.manager is None else int(plan.manager.moved_bytes)
-
-
-__all__ = ["MemoryPlan", "OFFLOAD_MODULES", "SWAP_MODULES", "SWAP_TARGETS", "apply_to_layer", "patches",
-           "swapped_bytes"]
+__all__ = ["MemoryPlan", "OFFLOAD_MODULES", "SWAP_MODULES", "SWAP_TARGETS", "apply_to_layer", "patches"]
