@@ -15,6 +15,7 @@ from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
 from hyper_adaptor.features.memory import Memory
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
+from hyper_adaptor.features.pipeline import Pipeline
 from hyper_adaptor.features.profiling import Profiling
 
 # Fixed, documented application order (torchtitan style): compatibility first, then kernels,
@@ -32,6 +33,7 @@ FEATURES: tuple[Feature, ...] = (
     MoEGroupedGEMM(),
     ContextParallel(),
     HSDP(),
+    Pipeline(),
     Memory(),
 )
 

@@ -49,6 +49,8 @@ class Layout:
     # megatron.core.transformer config class: "MLATransformerConfig" for multi-latent attention (with
     # spec={"multi_latent_attention": True} and its head sizes in extra)
     config_class: str = "TransformerConfig"
+    # after the steps, one forward-only pass (megatron's evaluation) over the first batch: history["eval"]
+    evaluate: bool = False
 
 
 def _batches(step: int, seed: int):
@@ -136,9 +138,8 @@ def build(layout: Layout, init_params: dict | None = None):
             max_sequence_length=SEQ,
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=layout.vpp is None, vp_stage=stage),
-            share_embeddings_and_output_weights=True,
             vp_stage=stage,
-            **layout.model,
+            **{"share_embeddings_and_output_weights": True, **layout.model},
         )
         if init_params is not None:
             # Same starting point as the reference: megatron seeds each pipeline stage from the same
@@ -287,7 +288,7 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
             micro_batch_size=MICRO_BATCH,
             forward_only=False,
         )
-        if ps.is_pipeline_last_stage(ignore_virtual=True):
+        if losses:  # the rank that returns the losses (the last pipeline rank, for every schedule)
             # the schedule already divides each microbatch's reported loss by num_microbatches
             loss = torch.stack([d["lm loss"] for d in losses]).sum()
         else:
@@ -302,13 +303,28 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
             history["grads"].append(_merge_over_world(_snapshot(chunks, "grad")))
         update_successful, grad_norm, _ = optimizer.step()
         assert update_successful
+        history.setdefault("grad_norm", []).append(float(grad_norm))
         history["params"].append(_merge_over_world(_snapshot(chunks, "param")))
+    if layout.evaluate:
+        micro = _micro_batch_dicts(_batches(0, layout.seed))[dp_rank * num_micro : (dp_rank + 1) * num_micro]
+        iterators = [iter(list(micro)) for _ in chunks]
+        with torch.no_grad():
+            losses = forward_backward(forward_step_func=forward_step,
+                                      data_iterator=iterators if len(chunks) > 1 else iterators[0],
+                                      model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=num_micro,
+                                      seq_length=SEQ, micro_batch_size=MICRO_BATCH, forward_only=True)
+        loss = torch.stack([d["lm loss"] for d in losses]).sum() if losses else torch.zeros(())
+        dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+        dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
+        history["eval"] = loss.item() / dp_size
     ps.destroy_model_parallel()
     if layout.features is not None:
         from hyper_adaptor.ops import backend
 
         history["op_calls"] = backend.call_counts()  # cumulative in this process
-    return history if rank == 0 else {"loss": history["loss"]}
+    if rank == 0:
+        return history
+    return {key: history[key] for key in ("loss", "grad_norm", "eval") if key in history}
 
 
 def train_many(rank: int, world_size: int, layouts: dict, init_params: dict | None = None) -> dict:

@@ -1,0 +1,126 @@
+"""Level 2 — pipeline schedules as data in place of megatron's (``--pipeline-schedule``; docs/features/pipeline.md).
+
+megatron-core 0.19.2 hard-codes 1F1B and interleaved 1F1B and has no zero-bubble schedule without
+TransformerEngine. ``--pipeline-schedule {1f1b,interleaved,gpipe,zbh1,zbv}`` runs the named schedule on the
+engine in ``hyper_adaptor/parallel/pipeline`` (validated action lists, one runtime); without the flag megatron's
+own schedules run. ``interleaved`` and ``zbv`` use megatron's model chunks
+(``--num-virtual-stages-per-pipeline-rank`` / ``--num-layers-per-virtual-pipeline-stage``); ``zbh1`` and ``zbv``
+split each backward into input and weight gradients (:mod:`hyper_adaptor.patches.pipeline.wgrad`).
+"""
+
+from __future__ import annotations
+
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.patches.pipeline.schedules import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_SCHEDULES
+
+
+def _pp(args) -> int:
+    return int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+
+
+def _chunks(args) -> int:
+    """Model chunks per pipeline rank as megatron will build them (its validate_args derives the same)."""
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    if vpp:
+        return int(vpp)
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages:
+        return int(stages)
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    layers = getattr(args, "num_layers", None)
+    if per_stage and layers:
+        return max(1, layers // _pp(args) // int(per_stage))
+    return 1
+
+
+class Pipeline(Feature):
+    name = "pipeline"
+    level = 2
+    summary = "pipeline schedules as data: GPipe, 1F1B, interleaved, ZB-H1, ZBV (split weight gradients)"
+    flags = (
+        Flag("--pipeline-schedule",
+             "pipeline schedule run by hyper_adaptor's engine: 1f1b, interleaved (needs model chunks: "
+             "--num-virtual-stages-per-pipeline-rank), gpipe, zbh1 (zero bubble, weight gradients fill the "
+             "bubble), zbv (zero bubble in a V; two chunks per rank). Without it megatron's schedules run.",
+             {"choices": SCHEDULES, "default": None}),
+    )
+
+    def adjust(self, args) -> list[str]:
+        notices = []
+        if _pp(args) == 2 and _chunks(args) > 1 and not getattr(args, "overlap_p2p_comm", False):
+            # megatron asserts PP > 2 for model chunks without --overlap-p2p-comm (its batches would send
+            # twice between the same two ranks); the engine's validated lists have no such limit, and its
+            # runtime posts receives early under this switch
+            notices.append(switch(args, "overlap_p2p_comm", True,
+                                  f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-model-parallel-size 2"))
+        return notices
+
+    def validate(self, args) -> None:
+        name = args.pipeline_schedule
+        flag = f"--pipeline-schedule {name}"
+        pp, chunks = _pp(args), _chunks(args)
+        if pp < 2:
+            raise FeatureConfigError(f"{flag} needs --pipeline-model-parallel-size >= 2 (got {pp})")
+        if name in CHUNKED_SCHEDULES and chunks < 2:
+            raise FeatureConfigError(f"{flag} needs model chunks: --num-virtual-stages-per-pipeline-rank "
+                                     f"{2 if name == 'zbv' else 'N'} (or --num-layers-per-virtual-pipeline-stage)")
+        if name == "zbv" and chunks != 2:
+            raise FeatureConfigError(f"{flag} places two chunks per rank in a V: --num-virtual-stages-per-pipeline-rank "
+                                     f"must be 2 (got {chunks})")
+        if name not in CHUNKED_SCHEDULES and chunks > 1:
+            raise FeatureConfigError(f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank "
+                                     f"/ --num-layers-per-virtual-pipeline-stage or choose interleaved / zbv")
+        if name == "zbv":
+            if not getattr(args, "untie_embeddings_and_output_weights", True):
+                raise FeatureConfigError(f"{flag} puts the embedding and the output layer on the same rank in two "
+                                         "chunks; tied weights across chunks are not served: add "
+                                         "--untie-embeddings-and-output-weights")
+            uneven = {"num_layers_in_first_pipeline_stage": "--num-layers-in-first-pipeline-stage",
+                      "num_layers_in_last_pipeline_stage": "--num-layers-in-last-pipeline-stage",
+                      "pipeline_model_parallel_layout": "--pipeline-model-parallel-layout",
+                      "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
+                      "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
+                      "mtp_num_layers": "--mtp-num-layers"}
+            for dest, what in uneven.items():
+                if getattr(args, dest, None):
+                    raise FeatureConfigError(f"{flag} places equal stages in a V; it cannot be combined with {what}")
+        if name in SPLIT_SCHEDULES:
+            refused = {
+                "overlap_grad_reduce": "--overlap-grad-reduce (weight gradients arrive in the W steps, after "
+                                       "megatron's per-parameter reduction hooks would have fired)",
+                "use_hsdp": "--use-hsdp (HSDP reduces a layer's gradients when its backward ends, before the W step)",
+                "defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute",
+                "delay_wgrad_compute": "--delay-wgrad-compute (TransformerEngine's split; the schedule splits itself)",
+            }
+            for dest, what in refused.items():
+                if getattr(args, dest, False):
+                    raise FeatureConfigError(f"{flag} cannot be combined with {what}")
+        for dest, what in {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
+                           "variable_seq_lengths": "--variable-seq-lengths",
+                           "use_megatron_fsdp": "--use-megatron-fsdp"}.items():
+            if getattr(args, dest, False):
+                raise FeatureConfigError(f"{flag} cannot be combined with {what}")
+        micro = _micro_batches(args)
+        if micro is not None:
+            from hyper_adaptor.patches.pipeline.schedules import _lists
+
+            try:
+                _lists(name, pp, micro, chunks, False)
+            except ValueError as err:
+                raise FeatureConfigError(str(err)) from err
+
+    def patches(self, args):
+        from hyper_adaptor.patches.pipeline import schedules
+
+        return schedules.patches(args.pipeline_schedule)
+
+
+def _micro_batches(args) -> int | None:
+    gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
+    world = getattr(args, "world_size", None)
+    if not (gbs and mbs and world):
+        return None
+    model_parallel = _pp(args) * int(getattr(args, "tensor_model_parallel_size", 1) or 1) * \
+        int(getattr(args, "context_parallel_size", 1) or 1)
+    dp = max(1, world // model_parallel)
+    return max(1, gbs // (mbs * dp))
