@@ -57,6 +57,27 @@ def report(result: dict, text: str, json_path: str | Path, quick: bool = False) 
     return result
 
 
+def target_lines(targets: list, value_format: str = ".3f") -> list[str]:
+    """One line per target: whether every place it applies met it, then each value (NOT where missed)."""
+    grouped: dict[str, list] = {}
+    for t in targets:
+        grouped.setdefault(t["target"], []).append(t)
+    lines = []
+    for target, checks in grouped.items():
+        verdict = "all met" if all(t["met"] for t in checks) else f"{sum(not t['met'] for t in checks)} NOT met"
+        lines.append(f"  {target} ({verdict}): " + "; ".join(
+            f"{t['where']} {format(t['value'], value_format)}{'' if t['met'] else ' NOT'}" for t in checks))
+    return lines
+
+
+def machine_line(result: dict) -> str:
+    """The machine, the load around the run and the run's wall time, as the benches print them."""
+    m = result["machine"]
+    load = m["load_average_1min_before_after"]
+    return (f"Machine: {m['cpu_model']} ({m['cpu_count']} cores), torch {m['torch']}, load average "
+            f"{load[0]:.1f} before / {load[1]:.1f} after; {result['wall_s']:.0f} s.")
+
+
 def rebind_c10d(names, wrap) -> list:
     """Put ``wrap(name, fn)`` in place of each named torch.distributed function in every module that holds
     it by name (``torch.distributed.X``, c10d's own globals — P2POp compares ``op is isend`` against them —

@@ -875,17 +875,10 @@ def table(result: dict) -> str:
             notes.append(f"| {x['cp']} | {x['algorithm']} | {x['seq']} | {_mib(x['bytes'])} | "
                          f"{_f(x['vs_cp1'], '.2f')} | {probes} | {x['seconds']:.0f} |")
     notes += ["", "Targets (issue 14), each checked where it applies (value, then met or NOT):"]
-    grouped: dict[str, list] = {}
-    for t in result["targets"]:
-        grouped.setdefault(t["target"], []).append(t)
-    for target, checks in grouped.items():
-        verdict = "all met" if all(t["met"] for t in checks) else f"{sum(not t['met'] for t in checks)} NOT met"
-        notes.append(f"  {target} ({verdict}): " + "; ".join(
-            f"{t['where']} {t['value']:.3f}{'' if t['met'] else ' NOT'}" for t in checks))
-    m = result["machine"]
-    notes += ["", f"Machine: {m['cpu_model']} ({m['cpu_count']} cores), torch {m['torch']}, load average "
-              f"{m['load_average_1min_before_after'][0]:.1f} before / {m['load_average_1min_before_after'][1]:.1f} "
-              f"after; {result['wall_s']:.0f} s."]
+    from bench import _results as bench_results
+
+    notes += bench_results.target_lines(result["targets"], ".3f")
+    notes += ["", bench_results.machine_line(result)]
     return "\n".join(lines + notes)
 
 

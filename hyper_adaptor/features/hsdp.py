@@ -64,10 +64,6 @@ class HSDP(Feature):
         for dest, flag in conflicts.items():
             if getattr(args, dest, False):
                 raise FeatureConfigError(f"--use-hsdp cannot be combined with {flag}")
-        if getattr(args, "virtual_pipeline_model_parallel_size", None) or getattr(
-            args, "num_layers_per_virtual_pipeline_stage", None
-        ):
-            raise FeatureConfigError("--use-hsdp does not support virtual pipeline stages (--num-layers-per-virtual-pipeline-stage)")
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         etp = getattr(args, "expert_tensor_parallel_size", None)
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1

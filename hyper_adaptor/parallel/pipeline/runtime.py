@@ -100,10 +100,17 @@ class _Step:
         self.outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # what a stage produced for another rank
         self.pending: dict[tuple[str, int, int], list] = {}        # receive key -> works to wait for
         self.sends: list = []
+        self.waited: dict = {}  # id -> work (kept, so that no id is reused within the step)
+
+    def _wait(self, work) -> None:
+        # a gloo work waited for a second time never returns: each is waited for once
+        if id(work) not in self.waited:
+            self.waited[id(work)] = work
+            work.wait()
 
     def _take(self, key, action: MetaStep) -> torch.Tensor:
         for work in self.pending.pop(key, ()):
-            work.wait()
+            self._wait(work)
         if key not in self.inbox:
             raise PipelineRuntimeError(f"pipeline rank {self.me}: {action} needs a tensor that was neither received "
                                        f"nor handed over ({key[0]} of micro-batch {key[2]} for stage {key[1]})")
@@ -166,13 +173,20 @@ class _Step:
             for w in works:
                 w.wait()
             return
-        for key in keys:
-            self.pending[key] = works
-        self.sends.extend(works)
+        if len(works) == len(ops):  # one work per op (gloo): each receive waits for its own
+            for op, work in zip(ops, works):
+                if op.op is dist.irecv:
+                    self.pending[keys.pop(0)] = [work]
+                else:
+                    self.sends.append(work)
+        else:  # one work for the whole batch (NCCL coalesces): every receive of it waits for that
+            for key in keys:
+                self.pending[key] = list(works)
+            self.sends.extend(works)
 
     def finish(self) -> None:
         for w in self.sends:
-            w.wait()
+            self._wait(w)
         left = sorted(self.inbox) + sorted(self.outbox)
         if left:
             raise PipelineRuntimeError(f"pipeline rank {self.me}: the step ended with tensors nobody used: {left}")

@@ -26,9 +26,15 @@ from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream, mark_stale
 from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict
 
 
+def _is_hsdp_no_sync(func) -> bool:
+    return getattr(getattr(func, "__self__", None), "_hsdp_wrapper", False)
+
+
 def make_wrapper_class(hsdp_kwargs: dict) -> type:
     class HSDPDataParallel(TorchFullyShardedDataParallel):
         """megatron's DP-wrapper interface over HSDP (one instance per model chunk)."""
+
+        _hsdp_wrapper = True
 
         def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, **unused):
             _BaseDataParallel.__init__(self, config=config, module=module)
@@ -44,8 +50,17 @@ def make_wrapper_class(hsdp_kwargs: dict) -> type:
             for layer in [m for m in module.modules() if isinstance(m, TransformerLayer)]:
                 hsdp(layer, group=group, **hsdp_kwargs)
             hsdp(module, group=group, **hsdp_kwargs)
-            # megatron's schedules keep every micro-batch but the last local through this.
-            config.no_sync_func = self.no_sync
+            # megatron's schedules keep every micro-batch but the last local through this; with model chunks
+            # (virtual pipeline stages) the schedules take one function per chunk, in chunk order
+            previous = config.no_sync_func
+            if not getattr(module, "vp_stage", None):  # the first (or only) chunk
+                config.no_sync_func = self.no_sync
+            elif isinstance(previous, list) and all(_is_hsdp_no_sync(f) for f in previous):
+                config.no_sync_func = [*previous, self.no_sync]
+            elif _is_hsdp_no_sync(previous):
+                config.no_sync_func = [previous, self.no_sync]
+            else:
+                config.no_sync_func = self.no_sync
 
         @contextlib.contextmanager
         def no_sync(self):

@@ -193,6 +193,8 @@ def forward_backward(name: str, **kwargs):
     stages = layout.stages_of(me)
     last_stage = layout.num_stages - 1
     runners = {s: MegatronStage(run, c, s, s == last_stage) for c, s in enumerate(stages)}
+    if layout.style == "v":
+        _check_v_build(run.models, runners, me)
     if config.timers is not None:
         config.timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
     if run.forward_only:
@@ -235,6 +237,24 @@ def forward_backward(name: str, **kwargs):
         torch.distributed.broadcast_object_list(box, src=_global_rank(run.pp_group, 0), group=run.pp_group)
         return box[0] if me == ranks - 1 else []
     return run.store
+
+
+def _check_v_build(models, runners, me: int) -> None:
+    """A chunk built for megatron's loop placement would compute the loss in the wrong place: refuse it."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    for runner in runners.values():
+        try:
+            built_last = bool(get_attr_wrapped_model(models[runner.chunk], "post_process"))
+        except RuntimeError:
+            continue  # a model without megatron's post_process attribute: nothing to check
+        if built_last != runner.is_last:
+            raise ValueError(
+                f"--pipeline-schedule zbv: model chunk {runner.chunk} of pipeline rank {me} was built with "
+                f"post_process={built_last}, but in the V it is stage {runner.stage_index} "
+                f"({'the last' if runner.is_last else 'not the last'}); build the chunks through "
+                "megatron.training's get_model or parallel_state.is_pipeline_last_stage(ignore_virtual=False, "
+                "vp_stage=...) with the pipeline feature applied")
 
 
 def _global_rank(group, rank: int) -> int:

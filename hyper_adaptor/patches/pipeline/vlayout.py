@@ -10,8 +10,9 @@ coordinates of the same model stage and asks megatron's own code:
   model stage, so layers keep megatron's numbering in checkpoints (a ZBV checkpoint loads under 1F1B);
 - ``parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage)``: chunk 1 of rank 0 (library users
   and megatron's data loaders decide by it which chunk reads the labels);
-- megatron.training's ``get_model``: its model provider is told ``post_process`` for chunk 1 of rank 0 and not
-  for chunk 1 of rank p-1;
+- megatron.training's two model builders (``get_model`` with a model provider, and the config-container
+  path's ``build_virtual_pipeline_stages``): the provider is told ``post_process`` for chunk 1 of rank 0 and
+  not for chunk 1 of rank p-1 (the schedule refuses chunks built otherwise);
 - ``Float16Module.forward``: the fp32 up-cast of the last stage's output happens on rank 0's chunk 1, and the
   bottom of the V hands on half-precision activations like every other stage.
 "Last pipeline rank" questions (``ignore_virtual=True``) keep their answer: the schedule hands the losses to
@@ -63,19 +64,32 @@ def _wrap_is_last(original):
     return is_pipeline_last_stage
 
 
+def _v_provider(build):
+    """``build`` (a model provider) told ``post_process`` for the V's last stage."""
+
+    @functools.wraps(build)
+    def provider(*args, **kwargs):
+        vp_stage = kwargs.get("vp_stage")
+        if vp_stage is not None and "post_process" in kwargs:
+            rank, _size = _pp()
+            kwargs["post_process"] = rank == 0 and vp_stage == 1
+        return build(*args, **kwargs)
+
+    return provider
+
+
 def _wrap_get_model(original):
     def get_model(model_provider_func, *args, **kwargs):
-        @functools.wraps(model_provider_func)
-        def provider(*p_args, **p_kwargs):
-            vp_stage = p_kwargs.get("vp_stage")
-            if vp_stage is not None and "post_process" in p_kwargs:
-                rank, _size = _pp()
-                p_kwargs["post_process"] = rank == 0 and vp_stage == 1
-            return model_provider_func(*p_args, **p_kwargs)
-
-        return original(provider, *args, **kwargs)
+        return original(_v_provider(model_provider_func), *args, **kwargs)
 
     return get_model
+
+
+def _wrap_build_stages(original):
+    def build_virtual_pipeline_stages(build_model_func, *args, **kwargs):
+        return original(_v_provider(build_model_func), *args, **kwargs)
+
+    return build_virtual_pipeline_stages
 
 
 def _wrap_float16_forward(original):
@@ -100,6 +114,8 @@ def patches() -> list[Patch]:
               FEATURE),
         Patch("megatron.core.parallel_state.is_pipeline_last_stage", _wrap_is_last, "wrap", FEATURE),
         Patch("megatron.training.training.get_model", _wrap_get_model, "wrap", FEATURE),
+        Patch("megatron.training.models.dist_utils.build_virtual_pipeline_stages", _wrap_build_stages, "wrap",
+              FEATURE),
         Patch("megatron.core.transformer.module.Float16Module.forward", _wrap_float16_forward, "wrap", FEATURE),
     ]
 
