@@ -53,6 +53,16 @@ class Pipeline(Feature):
             # runtime posts receives early under this switch
             notices.append(switch(args, "overlap_p2p_comm", True,
                                   f"--pipeline-schedule {args.pipeline_schedule} at --pipeline-model-parallel-size 2"))
+        micro, pp = _micro_batches(args), _pp(args)
+        if micro is not None and micro < pp:
+            from hyper_adaptor.parallel.pipeline.timeline import theoretical_bubble
+
+            name = args.pipeline_schedule
+            bubble = theoretical_bubble(name, pp, micro, max(_chunks(args), 2 if name == "zbv" else 1))
+            notices.append(f"--pipeline-schedule {name}: {micro} micro-batches per step with "
+                           f"--pipeline-model-parallel-size {pp}: the schedule runs, but at least {bubble:.0%} of "
+                           f"each step is pipeline bubble (raise --global-batch-size to {pp * args.micro_batch_size} "
+                           f"x data-parallel size or more)")
         return notices
 
     def validate(self, args) -> None:
