@@ -266,7 +266,7 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
         return output, loss_func
 
     history = {"loss": [], "grads": [], "params": [], "init": _merge_over_world(_snapshot(chunks, "param"))}
-    for step in range(layout.steps):
+    def my_micro_batches(step: int) -> list:
         micro = _micro_batch_dicts(_batches(step, layout.seed))
         if layout.cp > 1:
             # this rank's load-balanced chunks of every sequence, cut as megatron.training cuts them
@@ -274,7 +274,10 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
 
             micro = [get_batch_on_this_cp_rank(mb, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
                      for mb in micro]
-        mine = micro[dp_rank * num_micro : (dp_rank + 1) * num_micro]
+        return micro[dp_rank * num_micro : (dp_rank + 1) * num_micro]
+
+    for step in range(layout.steps):
+        mine = my_micro_batches(step)
         iterators = [iter(list(mine)) for _ in chunks]
         for chunk in chunks:
             chunk.zero_grad_buffer()
@@ -306,8 +309,7 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
         history.setdefault("grad_norm", []).append(float(grad_norm))
         history["params"].append(_merge_over_world(_snapshot(chunks, "param")))
     if layout.evaluate:
-        micro = _micro_batch_dicts(_batches(0, layout.seed))[dp_rank * num_micro : (dp_rank + 1) * num_micro]
-        iterators = [iter(list(micro)) for _ in chunks]
+        iterators = [iter(my_micro_batches(0)) for _ in chunks]
         with torch.no_grad():
             losses = forward_backward(forward_step_func=forward_step,
                                       data_iterator=iterators if len(chunks) > 1 else iterators[0],
@@ -316,7 +318,7 @@ def train(rank: int, world_size: int, layout: Layout, init_params: dict | None =
         loss = torch.stack([d["lm loss"] for d in losses]).sum() if losses else torch.zeros(())
         dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
         dist.all_reduce(loss, group=ps.get_data_parallel_group(with_context_parallel=True))
-        history["eval"] = loss.item() / dp_size
+        history["eval"] = loss.item() / (dp_size * layout.cp)
     ps.destroy_model_parallel()
     if layout.features is not None:
         from hyper_adaptor.ops import backend

@@ -25,21 +25,30 @@ TOL = dict(loss_rtol=1e-5, grad_atol=1e-5, param_atol=1e-5)
 # some bf16 parameter one unit (2^-8 relative) the other way after the second step
 TOL_V_BF16 = dict(loss_rtol=1e-5, grad_rtol=1e-2, param_atol=1e-3)
 
-# name -> (layout, megatron's schedule runs it first as the reference, then each of ours)
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather",
+           moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+# name -> (layout, our schedules): megatron's own schedule runs the layout first, as the reference
 CASES = {
     "PP4": (dict(pp=4), ["1f1b", "gpipe", "zbh1"]),
-    "PP4-VPP2": (dict(pp=4, vpp=2, extra={"num_layers": 8}), ["interleaved"]),
     "DP2xPP2": (dict(pp=2), ["1f1b", "gpipe", "zbh1"]),
-    "DP2xPP2-VPP2": (dict(pp=2, vpp=2), ["interleaved"]),
-    "TP2xPP2-SP": (dict(tp=2, pp=2, sequence_parallel=True), ["zbh1", "1f1b"]),
-    "PP4-bf16": (dict(pp=4, bf16=True), ["zbh1", "gpipe"]),
-    "DP2xPP2-overlap-grad-reduce": (dict(pp=2, ddp_overlap=True), ["1f1b"]),
-    # ZBV: chunk 1 runs back up the ranks; the reference is megatron's interleaved run of the same model
+    # model chunks: ZBV (chunk 1 back up the ranks) against megatron's interleaved run of the same model
     # (untied output layer), started from the same full parameters
     "PP4-VPP2-untied": (dict(pp=4, vpp=2, extra={"num_layers": 8},
-                             model={"share_embeddings_and_output_weights": False}), ["zbv", "interleaved"]),
+                             model={"share_embeddings_and_output_weights": False}), ["interleaved", "zbv"]),
     "DP2xPP2-VPP2-untied-bf16": (dict(pp=2, vpp=2, bf16=True,
-                                      model={"share_embeddings_and_output_weights": False}), ["zbv"]),
+                                      model={"share_embeddings_and_output_weights": False}), ["interleaved", "zbv"]),
+    "TP2xPP2-SP": (dict(tp=2, pp=2, sequence_parallel=True), ["zbh1"]),
+    # bf16 with megatron's full recompute: each layer's forward re-runs inside the I step, the products still wait
+    "PP4-bf16-recompute": (dict(pp=4, bf16=True, extra=RECOMPUTE), ["zbh1"]),
+    "DP2xPP2-overlap-grad-reduce": (dict(pp=2, ddp_overlap=True), ["1f1b"]),
+    # MoE: megatron's aux-loss scaling in forward_step_calc_loss; SequentialMLP experts' linears deferred
+    # (without linear biases: megatron 0.19.2's SequentialMLP with biases fails at TP 1 under its own DDP)
+    "DP2xPP2-MoE": (dict(pp=2, extra=dict(MOE, add_bias_linear=False), spec={"num_experts": 4}), ["zbh1"]),
+    # context parallel (hyper_adaptor's ring attention, applied to this process for the rest of the world: last)
+    "CP2xPP2": (dict(pp=2, cp=2, cp_comm_type="p2p", features=dict(
+        optimization_level=2, context_parallel_size=2, context_parallel_algo="ring", num_attention_heads=4,
+        tensor_model_parallel_size=1, seq_length=32, attention_dropout=0.0)), ["zbh1"]),
 }
 
 
