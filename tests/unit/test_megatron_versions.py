@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # every feature on (level 2): describe prints and resolves each one's patches
 EVERY_FEATURE = (
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
     "--micro-batch-size 1 --tokenizer-type NullTokenizer --vocab-size 128 --normalization RMSNorm --swiglu "
     "--position-embedding-type rope --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
     "--use-flash-attn --num-experts 4 --moe-grouped-gemm --fused-backend eager --use-hsdp "
     "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0 "
-    "--profile --deterministic-mode --swap-attention --optimizer-cpu-offload"
+    "--profile --deterministic-mode --swap-attention --optimizer-cpu-offload "
+    "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --untie-embeddings-and-output-weights "
+    "--pipeline-schedule interleaved"
 ).split()
 
 
@@ -51,14 +53,14 @@ def test_the_pip_package_is_found_by_its_metadata():
 
 
 # describe twice in one interpreter: --use-hsdp switches gradient-accumulation fusion off, so its
-# patches are resolved by the second run, without HSDP
+# patches are resolved by the second run, without HSDP (and with ZBV, which HSDP refuses: its V placement)
 DESCRIBE_BOTH = f"""
 import sys
 from hyper_adaptor import cli
 flags = {EVERY_FEATURE!r}
 first = cli.main(["describe", *flags])
 print("=" * 20)
-second = cli.main(["describe", *[f for f in flags if f != "--use-hsdp"]])
+second = cli.main(["describe", *["zbv" if f == "interleaved" else f for f in flags if f != "--use-hsdp"]])
 sys.exit(first or second)
 """
 
