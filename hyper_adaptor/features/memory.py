@@ -154,13 +154,6 @@ class Memory(Feature):
         if getattr(args, "recompute_norm", False) and granularity == "full":
             raise FeatureConfigError("--recompute-norm with --recompute-granularity full: the full recompute "
                                      "already recomputes the norms")
-        if getattr(args, "use_hsdp", False) and (getattr(args, "recompute_activation_function", False)
-                                                 or getattr(args, "recompute_norm", False)):
-            # HSDP re-gathers a layer's parameters when the layer's backward starts; these recomputes run
-            # earlier, from hooks on their outputs, and would see the sharded parameters
-            raise FeatureConfigError("--recompute-activation-function / --recompute-norm are not served with "
-                                     "--use-hsdp yet (the recompute runs before HSDP gathers the layer's "
-                                     "parameters); use --swap-attention / --swap-modules, or full recompute")
         if asked(args, "optimizer_cpu_offload"):
             memory_optimizer.validate(args)
 

@@ -2,7 +2,7 @@
 MindSpeed's --swap-attention, --recompute-activation-function and --recompute-norm, and megatron's own
 --cpu-offloading-num-layers and --fine-grained-activation-offloading (TE-only in megatron), against the
 same command without them; the swap run's checkpoint resumed without any memory flag; megatron's offload
-flags and --optimizer-cpu-offload under --use-hsdp.
+flags and --optimizer-cpu-offload under --use-hsdp; the recompute flags under --use-hsdp level 3.
 
 Swap recomputes nothing, and the two recomputes re-run the forward ops with the RNG restored, so the
 logged losses and grad norms are equal as printed (megatron logs 7 / 4 significant digits). Under
@@ -51,5 +51,19 @@ def test_megatron_offload_flags_and_optimizer_offload_are_served_under_hsdp(plai
     assert "steps through hyper_adaptor's OffloadOptimizer" in output
     assert sorted(losses) == sorted(want_losses) == [1, 2, 3, 4]
     norms = grad_norms(output)
+    assert all(_close(losses[i], want_losses[i]) for i in want_losses), (losses, want_losses)
+    assert all(_close(norms[i], want_norms[i]) for i in want_norms), (norms, want_norms)
+
+
+def test_recompute_flags_under_hsdp_level3_equal_the_plain_run(plain):
+    """HSDP level 3 frees a layer's parameters after its forward; megatron's norm recompute and the
+    activation-function recompute re-run forward code inside the layer's backward, reading the module's
+    parameters: HSDP registers the gathered ones from the start of the layer's backward to its end."""
+    want_losses, want_norms = plain
+    losses, output = pretrain(2, *COMMON, "--use-hsdp", "--hsdp-optimizer-level", "level3", "--swap-attention",
+                              "--recompute-norm", "--recompute-activation-function")
+    assert "hsdp (level 2) applied" in output and "memory (level 2) applied" in output
+    norms = grad_norms(output)
+    assert sorted(losses) == sorted(want_losses) == [1, 2, 3, 4]
     assert all(_close(losses[i], want_losses[i]) for i in want_losses), (losses, want_losses)
     assert all(_close(norms[i], want_norms[i]) for i in want_norms), (norms, want_norms)

@@ -73,7 +73,6 @@ def test_plan_from_flags():
     (dict(recompute_activation_function=True, swap_modules=["mlp"]), "--recompute-activation-function"),
     (dict(recompute_activation_function=True, recompute_granularity="full"), "--recompute-activation-function"),
     (dict(recompute_norm=True, recompute_granularity="full"), "--recompute-norm"),
-    (dict(recompute_norm=True, use_hsdp=True), "--use-hsdp"),
 ])
 def test_combinations_that_cannot_work_are_refused_by_name(flags, names):
     with pytest.raises(FeatureConfigError, match=names.replace("-", r"\-")):

@@ -259,6 +259,11 @@ class HSDPState:
         if not self._in_backward:
             self._join_backward()
             self.unshard()
+            # Code that re-runs part of this unit's forward inside its backward (megatron's norm recompute,
+            # selective checkpointing) reads the module's attributes: the full parameters until this unit's
+            # backward is done (finish_backward puts the shards back for the optimizer).
+            for p in self.params:
+                p.register_full()
             for other in self.backward_prefetch:
                 other.unshard(async_op=True)
         return grad
@@ -302,6 +307,8 @@ class HSDPState:
         if self.requires_grad_sync:
             self._launch_ready(flush=True)
         self.wait_reduce()
+        for p in self.params:
+            p.register_sharded()
         if self.config.reshard_after_forward:
             self.reshard()
         for bucket in self.buckets:
