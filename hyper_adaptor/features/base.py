@@ -128,6 +128,14 @@ class Feature:
         return True, "requested"
 
 
+def refuse_combined(args, asked_for: str, conflicts: dict) -> None:
+    """Raise FeatureConfigError ``"<asked_for> cannot be combined with <what>"`` for the first flag of
+    ``conflicts`` (argument dest -> how to name it, why included) that is set in ``args``."""
+    for dest, what in conflicts.items():
+        if getattr(args, dest, None):
+            raise FeatureConfigError(f"{asked_for} cannot be combined with {what}")
+
+
 HIDDEN = "hyper_adaptor_hidden"  # {dest: value} of flags hidden from megatron's validate_args
 
 

@@ -20,7 +20,7 @@ hybrid algorithm runs on; ``validate`` refuses the two spellings disagreeing.
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
 from hyper_adaptor.patches.context.attention import COMM_TYPE_ALGO
 
 # --context-parallel-algo value -> the algorithm; MindSpeed's names first
@@ -162,9 +162,7 @@ class ContextParallel(Feature):
                                        "sequences need TransformerEngine)",
             "multi_latent_attention": "--multi-latent-attention (key and value head sizes differ)",
         }
-        for dest, flag in refused.items():
-            if getattr(args, dest, False):
-                raise FeatureConfigError(f"--context-parallel-size {size} cannot be combined with {flag}")
+        refuse_combined(args, f"--context-parallel-size {size}", refused)
         if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0.0:
             raise FeatureConfigError(f"--context-parallel-size {size}: attention dropout is not served by the "
                                      f"context-parallel attention; set --attention-dropout 0 "

@@ -23,7 +23,8 @@ Level 0: determinism is a property of the run, asked at any ``--optimization-lev
 from __future__ import annotations
 
 from hyper_adaptor import platform
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked, hide_from_megatron
+from hyper_adaptor.features.base import (Feature, FeatureConfigError, Flag, asked, hide_from_megatron,
+                                         refuse_combined)
 from hyper_adaptor.notice import notice
 
 DEST = "deterministic_mode"
@@ -62,9 +63,7 @@ class Determinism(Feature):
     def validate(self, args) -> None:
         from hyper_adaptor.patches import determinism
 
-        for dest, flag in REFUSED_FLAGS.items():
-            if getattr(args, dest, False):
-                raise FeatureConfigError(f"--deterministic-mode cannot be combined with {flag}")
+        refuse_combined(args, "--deterministic-mode", REFUSED_FLAGS)
         device = platform.device_type()
         problems = determinism.env_problems(device)
         if problems:

@@ -7,7 +7,7 @@ hyper_adaptor/parallel/hsdp; megatron seam: hyper_adaptor/patches/hsdp.
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
 from hyper_adaptor.patches.hsdp.patches import DEFAULT_BUCKET_KB, REDUCE_DTYPES
 
 
@@ -61,9 +61,7 @@ class HSDP(Feature):
             "overlap_param_gather": "--overlap-param-gather",
             "data_parallel_random_init": "--data-parallel-random-init",
         }
-        for dest, flag in conflicts.items():
-            if getattr(args, dest, False):
-                raise FeatureConfigError(f"--use-hsdp cannot be combined with {flag}")
+        refuse_combined(args, "--use-hsdp", conflicts)
         ep = getattr(args, "expert_model_parallel_size", 1) or 1
         etp = getattr(args, "expert_tensor_parallel_size", None)
         tp = getattr(args, "tensor_model_parallel_size", 1) or 1

@@ -10,7 +10,7 @@ split each backward into input and weight gradients (:mod:`hyper_adaptor.patches
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
 from hyper_adaptor.patches.pipeline.schedules import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_SCHEDULES
 
 
@@ -91,9 +91,7 @@ class Pipeline(Feature):
                       "account_for_embedding_in_pipeline_split": "--account-for-embedding-in-pipeline-split",
                       "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
                       "mtp_num_layers": "--mtp-num-layers"}
-            for dest, what in uneven.items():
-                if getattr(args, dest, None):
-                    raise FeatureConfigError(f"{flag} places equal stages in a V; it cannot be combined with {what}")
+            refuse_combined(args, f"{flag} (equal stages in a V)", uneven)
         if name in SPLIT_SCHEDULES:
             refused = {
                 "overlap_grad_reduce": "--overlap-grad-reduce (weight gradients arrive in the W steps, after "
@@ -102,14 +100,10 @@ class Pipeline(Feature):
                 "defer_embedding_wgrad_compute": "--defer-embedding-wgrad-compute",
                 "delay_wgrad_compute": "--delay-wgrad-compute (TransformerEngine's split; the schedule splits itself)",
             }
-            for dest, what in refused.items():
-                if getattr(args, dest, False):
-                    raise FeatureConfigError(f"{flag} cannot be combined with {what}")
-        for dest, what in {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-                           "variable_seq_lengths": "--variable-seq-lengths",
-                           "use_megatron_fsdp": "--use-megatron-fsdp"}.items():
-            if getattr(args, dest, False):
-                raise FeatureConfigError(f"{flag} cannot be combined with {what}")
+            refuse_combined(args, flag, refused)
+        refuse_combined(args, flag, {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
+                                     "variable_seq_lengths": "--variable-seq-lengths",
+                                     "use_megatron_fsdp": "--use-megatron-fsdp"})
         micro = _micro_batches(args)
         if micro is not None:
             from hyper_adaptor.patches.pipeline.schedules import _lists

@@ -36,7 +36,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightGradQueue", "defer_weight_grads", "enable_weight_deferral", "disable_weight_deferral",
+__all__ = ["WeightGradQueue", "accumulate_weight_grad", "defer_weight_grads", "enable_weight_deferral", "disable_weight_deferral",
            "deferrable_linear"]
 
 _ACTIVE: list["WeightGradQueue"] = []  # innermost active queue last
@@ -66,13 +66,18 @@ class WeightGradQueue:
         items.reverse()
         while items:
             x, g, weight = items.pop()
-            _accumulate_weight_grad(x, g, weight)
+            accumulate_weight_grad(x, g, weight)
             del x, g  # each pair freed as soon as its gradient is in
 
 
-def _accumulate_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> None:
+def accumulate_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, *, fused: bool = True) -> None:
+    """Accumulate a deferred ``g^T @ x`` where the layer's own backward would have put it: into an fp32
+    ``main_grad`` through ``ops.wgrad_accum`` (``fused``: megatron's gradient-accumulation fusion, which also
+    marks the weight ``grad_added_to_main_grad``), into ``main_grad`` as a separate product (megatron DDP's
+    hook adds ``param.grad`` so), or into ``weight.grad``. Also the W step of megatron's linear layers
+    (patches/pipeline/wgrad.py)."""
     main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
+    if main_grad is not None and fused:
         from hyper_adaptor.ops.wgrad_accum import wgrad_accum
 
         wgrad_accum(x, g, main_grad)
@@ -80,7 +85,9 @@ def _accumulate_weight_grad(x: torch.Tensor, g: torch.Tensor, weight: torch.Tens
             weight.grad_added_to_main_grad = True
         return
     dw = _weight_grad(x, g)
-    if weight.grad is None:
+    if main_grad is not None:
+        main_grad.add_(dw)
+    elif weight.grad is None:
         weight.grad = dw
     else:
         weight.grad += dw

@@ -20,7 +20,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from hyper_adaptor.ops.wgrad_accum import wgrad_accum
+from hyper_adaptor.parallel.pipeline.wgrad import accumulate_weight_grad
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "pipeline"
@@ -52,21 +52,7 @@ class DeferredWeightGrad:
             full = inp.new_empty((inp.shape[0] * size, *inp.shape[1:]))
             dist.all_gather_into_tensor(full, inp.contiguous(), group=self.tp_group)
             inp = full
-        go = self.grad_output.contiguous()
-        go = go.view(-1, go.shape[-1])
-        inp = inp.contiguous().view(-1, inp.shape[-1])
-        weight = self.weight
-        main_grad = getattr(weight, "main_grad", None)
-        if self.fused and main_grad is not None:
-            wgrad_accum(inp, go, main_grad)
-            return
-        grad = go.t().matmul(inp)
-        if main_grad is not None:
-            main_grad.add_(grad)
-        elif weight.grad is None:
-            weight.grad = grad
-        else:
-            weight.grad += grad
+        accumulate_weight_grad(inp, self.grad_output, self.weight, fused=self.fused)
 
 
 @contextlib.contextmanager
