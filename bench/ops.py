@@ -63,10 +63,31 @@ def saved_bytes(fn) -> int:
     return total
 
 
+def bench_device() -> torch.device:
+    """The platform's device (``cpu``, or ``cuda``/``npu`` at the process's current index)."""
+    dev = ha_platform.device_type()
+    if dev == "cpu":
+        return torch.device("cpu")
+    return torch.device(dev, ha_platform.device_module().current_device())
+
+
+def device_name() -> str | None:
+    """The accelerator's name (e.g. ``NVIDIA H100 80GB HBM3``); None on CPU."""
+    dev = ha_platform.device_type()
+    if dev == "cpu":
+        return None
+    module = ha_platform.device_module()
+    return module.get_device_name(module.current_device()) if hasattr(module, "get_device_name") else dev
+
+
 def timed(fn, grad_of) -> float:
+    """Forward + backward wall time; the device is drained before the clock starts and before it is read
+    (kernels on CUDA/NPU run asynchronously to the host)."""
+    ha_platform.synchronize()
     start = time.perf_counter()
     out = fn()
     out.backward(grad_of(out))
+    ha_platform.synchronize()
     return time.perf_counter() - start
 
 
@@ -76,8 +97,9 @@ class Case:
 
 
 def _leaf(shape, dtype, seed):
+    """Seeded numbers drawn on the CPU (identical on every device), then moved: the leaf is the device tensor."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype).requires_grad_()
+    return torch.randn(shape, generator=g).to(device=bench_device(), dtype=dtype).requires_grad_()
 
 
 def cases(scale: int, dtype: torch.dtype, backend: str | None):
@@ -90,13 +112,14 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
     hidden, seq, heads, head_dim = 4096 // scale, 4096 // scale, 32 // scale, 128
     ffn = 11008 // scale
     tokens = seq  # micro-batch 1
+    device = bench_device()
     out = []
 
     # RMSNorm
     def make_norm():
         x = _leaf((seq, 1, hidden), dtype, 1)
-        w = torch.ones(hidden, dtype=dtype).requires_grad_()
-        ref = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype)
+        w = torch.ones(hidden, dtype=dtype, device=device).requires_grad_()
+        ref = torch.nn.RMSNorm(hidden, eps=1e-5, dtype=dtype, device=device)
         return x, w, ref
 
     out.append(Case("rms_norm", f"[s={seq}, b=1, h={hidden}]", make_norm, {
@@ -124,7 +147,7 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
         t = _leaf((seq, 1, heads, head_dim), dtype, 3)
         inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv)
-        freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+        freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :].to(device)
         return t, freqs
 
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
@@ -140,7 +163,7 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
         q = _leaf((seq, 1, heads, head_dim), dtype, 4)
         k = _leaf((seq, 1, heads, head_dim), dtype, 5)
         v = _leaf((seq, 1, heads, head_dim), dtype, 6)
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
         return q, k, v, mask
 
     scale_qk = head_dim ** -0.5
@@ -154,7 +177,7 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
     def make_wgrad():
         x = _leaf((tokens, hidden), dtype, 7).detach()
         g = _leaf((tokens, ffn), dtype, 8).detach()
-        main_grad = torch.zeros(ffn, hidden, dtype=torch.float32)
+        main_grad = torch.zeros(ffn, hidden, dtype=torch.float32, device=device)
         return x, g, main_grad
 
     out.append(Case("wgrad accumulate (fp32 main_grad)", f"[tokens={tokens}] x [{hidden} -> {ffn}]", make_wgrad, {
@@ -170,9 +193,11 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
     def make_experts():
         g = torch.Generator().manual_seed(9)
         rows = moe["tokens"] * moe["topk"]
+        # tokens_per_expert stays on the CPU, as megatron's token dispatchers hand it to SequentialMLP (both
+        # SequentialMLP and the grouped GEMM read it with .tolist(); a device tensor would add a sync)
         counts = torch.distributions.Multinomial(rows, torch.ones(moe["experts"])).sample().long()
         hidden_states = _leaf((rows, moe["hidden"]), dtype, 10)
-        probs = torch.rand(rows, generator=g).requires_grad_()
+        probs = torch.rand(rows, generator=g).to(device).requires_grad_()
         return hidden_states, counts, probs
 
     out.append(Case("moe experts (grouped GEMM)",
@@ -227,9 +252,10 @@ def _megatron_experts(moe: dict, dtype):
                                gated_linear_unit=True, activation_func=F.silu,
                                add_bias_linear=False, bias_activation_fusion=True, moe_grouped_gemm=True,
                                params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True)
+    # initialised on the CPU (seeded, the same weights on every device), then moved with its dtype kept
     module = SequentialMLP(moe["experts"], config,
                            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(bench_device())
     return module, grouped_patch._wrap_forward(SequentialMLP.forward)
 
 
@@ -262,7 +288,7 @@ def _megatron_attention(heads, head_dim, dtype):
                                attention_dropout=0.0, masked_softmax_fusion=False, params_dtype=dtype,
                                bf16=dtype == torch.bfloat16)
     module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                 attention_type="self")
+                                 attention_type="self").to(bench_device())
     return lambda q, k, v, m: module(q, k, v, m)
 
 
@@ -291,7 +317,7 @@ def run(args) -> dict:
         print(f"  {case.name}: fused {med['fused']:.2f} ms, eager {med['eager']:.2f} ms, megatron {med['megatron']:.2f} ms",
               flush=True)
     return {"benchmark": "ops", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": ha_platform.device_type(), "dtype": args.dtype, "backend": args.backend or "platform default",
+            "device": ha_platform.device_type(), "device_name": device_name(), "dtype": args.dtype, "backend": args.backend or "platform default",
             "shapes": shapes, "scale_note": (f"real model dims divided by {args.scale} (head dim kept at 128; MoE: "
                            f"{shapes['moe']['model']}'s hidden, expert ffn, experts, top-k and tokens)"),
             "machine": bench_results.machine(),
@@ -306,7 +332,7 @@ def attention_memory_sweep(heads: int, head_dim: int, dtype: torch.dtype, backen
     rows = []
     for seq in (256, 512, 1024, 2048):
         q, k, v = (_leaf((seq, 1, heads, head_dim), dtype, i) for i in (4, 5, 6))
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1)[None, None]
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=bench_device()), diagonal=1)[None, None]
         fused = saved_bytes(lambda: att.attention(q, k, v, causal=True, scale=head_dim ** -0.5, backend=backend))
         eager = saved_bytes(lambda: att.attention(q, k, v, causal=True, mask=mask, scale=head_dim ** -0.5,
                                                   backend="eager"))
@@ -316,8 +342,10 @@ def attention_memory_sweep(heads: int, head_dim: int, dtype: torch.dtype, backen
 
 def _one(fn, inputs, no_grad) -> float:
     if no_grad:
+        ha_platform.synchronize()
         start = time.perf_counter()
         fn(*inputs)
+        ha_platform.synchronize()
         return time.perf_counter() - start
     for t in inputs:
         if isinstance(t, torch.Tensor) and t.grad is not None:
@@ -358,7 +386,8 @@ def main(argv=None):
     if args.quick:
         args.scale, args.repeats, args.warmup = 8, 4, 1
     result = run(args)
-    print(f"\n{result['scale_note']}; {result['device']}, {result['dtype']}, "
+    print(f"\n{result['scale_note']}; {result['device']}"
+          f"{' (' + result['device_name'] + ')' if result['device_name'] else ''}, {result['dtype']}, "
           f"{result['machine']['torch_threads']} threads\n")
     print(table(result))
     path = Path(args.json)

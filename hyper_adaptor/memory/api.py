@@ -16,11 +16,14 @@ enclosing layer, or ``SwapManager.group``), so a layer's pieces move and are pre
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
+import inspect
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_adaptor.memory.swap_manager import (SwapError, SwapGroup, SwapManager, default_swap_manager,
                                                flatten_tensors)
@@ -189,6 +192,30 @@ def checkpoint(fn, *args, swap_inputs: bool = False, policy_fn=None, context_fn=
     return _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, _manager(manager), tag, None)
 
 
+# torch 2.13 runs the op first and hands its output to the selective-checkpoint policy (ctx.op_output);
+# earlier releases (2.11, seen on the CUDA image of our GPU machine) ask the policy before the op runs.
+# There a dispatch mode of ours, entered above torch's caching mode, sees each op's output right after the
+# caching mode stored it (same storage) and hands a MUST_SWAP output to the swap group.
+POLICY_SEES_OUTPUT = "op_output" in inspect.signature(torch_checkpoint.SelectiveCheckpointContext).parameters
+
+
+class _OutputAfterPolicy(TorchDispatchMode):
+    """Calls ``on_output(out, op_args, op_kwargs)`` for the op whose policy call set ``pending``."""
+
+    def __init__(self, on_output) -> None:
+        super().__init__()
+        self.on_output, self.pending = on_output, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.pending = None
+        out = func(*args, **kwargs)   # torch's caching mode below: the policy, then the op
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self.on_output(out, *pending)
+        return out
+
+
 def _is_parameter(t) -> bool:
     return isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad)
 
@@ -205,6 +232,16 @@ def _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, mgr: SwapM
     # caller's tensor: those stay, unless swap_inputs moves the inputs anyway.
     protected = set() if swap_inputs else {t.untyped_storage().data_ptr() for t in flatten_tensors((args, kwargs))}
 
+    def swap_outputs(output, op_args, op_kwargs):
+        # Below autograd a view of a parameter is a plain tensor: recognise it by the op's arguments.
+        params = {a.untyped_storage().data_ptr() for a in flatten_tensors((op_args, op_kwargs)) if _is_parameter(a)}
+        for t in flatten_tensors(output):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params and ptr not in protected:
+                mgr.add_tensor(group, t, force=True)
+
+    capture = None if POLICY_SEES_OUTPUT else _OutputAfterPolicy(swap_outputs)
+
     def sac_policy(ctx, op, *op_args, **op_kwargs):
         decision = CheckpointPolicy.PREFER_RECOMPUTE if policy_fn is None else policy_fn(ctx, op, *op_args,
                                                                                          **op_kwargs)
@@ -214,19 +251,16 @@ def _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, mgr: SwapM
                 raise SwapError(f"CheckpointPolicy.MUST_SWAP for {op} outside any swap group: with "
                                 "group_swap=True the checkpoint must run inside swap_wrapper / "
                                 "SwapManager.group(), or use group_swap=False")
-            if not hasattr(ctx, "op_output"):  # torch 2.13 calls the policy after the op, with its output
-                raise SwapError(f"CheckpointPolicy.MUST_SWAP needs the op's output in the selective checkpoint "
-                                f"context (ctx.op_output); torch {torch.__version__} does not provide it")
-            # Below autograd a view of a parameter is a plain tensor: recognise it by the op's arguments.
-            params = {a.untyped_storage().data_ptr() for a in flatten_tensors((op_args, op_kwargs)) if _is_parameter(a)}
-            for t in flatten_tensors(ctx.op_output):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params and ptr not in protected:
-                    mgr.add_tensor(group, t, force=True)
+            if POLICY_SEES_OUTPUT:
+                swap_outputs(ctx.op_output, op_args, op_kwargs)
+            else:
+                capture.pending = (op_args, op_kwargs)
         return torch_policy
 
     def context():
         forward_ctx, recompute_ctx = torch_checkpoint.create_selective_checkpoint_contexts(sac_policy)
+        if capture is not None:
+            forward_ctx = _stacked(forward_ctx, capture)
         return forward_ctx, _LoadBeforeRecompute(recompute_ctx, mgr, group)
 
     out = None
@@ -239,6 +273,12 @@ def _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, mgr: SwapM
         if own:
             mgr.close_group(group, out)
     return out
+
+
+@contextlib.contextmanager
+def _stacked(outer, inner):
+    with outer, inner:
+        yield
 
 
 def _policy_from(policy):

@@ -166,14 +166,20 @@ class SwapManager:
     ``min_bytes``: storages smaller than this stay on the device. ``prefetch``: how many groups ahead (in
     backward order) to load when a group's backward starts; 0 loads each group only when it is needed.
     ``pool``: the host buffer pool (reused across steps; one per manager by default).
+    ``offloads_in_flight``: how many groups' copies to host may run before the host waits for the oldest
+    (1: the previous layer's copy overlaps this layer's forward; None: never wait — then a host that runs
+    ahead of the device frees nothing until the backward, tests/gpu shows it).
     """
 
     def __init__(self, *, min_bytes: int = 1 << 16, prefetch: int = 1, pool: HostBufferPool | None = None,
-                 device_type: str | None = None) -> None:
+                 device_type: str | None = None, offloads_in_flight: int | None = 1) -> None:
         if min_bytes < 0:
             raise ValueError(f"SwapManager: min_bytes must be >= 0, got {min_bytes}")
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"SwapManager: prefetch must be an int >= 0 (groups loaded ahead), got {prefetch!r}")
+        if offloads_in_flight is not None and (not isinstance(offloads_in_flight, int) or offloads_in_flight < 1):
+            raise ValueError(f"SwapManager: offloads_in_flight must be an int >= 1 or None, got {offloads_in_flight!r}")
+        self.offloads_in_flight = offloads_in_flight
         self.device_type = device_type or platform.device_type()
         self.min_bytes = min_bytes
         self.prefetch = prefetch
@@ -204,6 +210,14 @@ class SwapManager:
         self._poll()
         # Groups of an earlier forward whose backward has begun start a new chain.
         self._chain = [g for g in self._chain if not g.backward_started and g.state is not GroupState.FREED]
+        # Bounded offloads in flight: the host waits here for the oldest copies. The caching allocator
+        # hands a block out again only once the host has dropped it, and the host may drop it only once
+        # the copy has read it; a host that runs ahead of the device (the usual case on cuda / npu) and
+        # never waits would free nothing during the forward (seen on an H100, tests/gpu).
+        if self.offloads_in_flight is not None:
+            flying = [g for g in self._chain if g.state is GroupState.OFFLOADING]
+            for g in flying[:max(0, len(flying) - self.offloads_in_flight + 1)]:
+                self._finish_offload(g)
         for g in self._chain:  # deferred offload: the previous group moves while this one computes
             if g.state is GroupState.CLOSED:
                 self.launch_offload(g)

@@ -36,7 +36,7 @@ class Block(nn.Module):
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
         scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (h // self.heads) ** 0.5
-        mask = torch.ones(s, s, dtype=torch.bool).tril()
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         return self.proj(torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, s, h))
 

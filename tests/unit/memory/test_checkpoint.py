@@ -190,3 +190,28 @@ def test_must_swap_never_empties_a_parameter_or_the_callers_input():
     w2, b2 = lin.weight.detach().clone().requires_grad_(True), lin.bias.detach().clone().requires_grad_(True)
     (torch.nn.functional.linear(x2 * 1, w2, b2).relu() * 2).sum().backward()
     assert torch.allclose(x.grad, x2.grad) and torch.allclose(lin.weight.grad, w2.grad)
+
+
+def test_must_swap_where_the_policy_runs_before_the_op(monkeypatch):
+    """torch releases before 2.13 ask the policy before the op runs (no ctx.op_output; 2.11 on our GPU
+    machine): the output then reaches the swap group through the engine's own dispatch mode."""
+    from hyper_adaptor.memory import api
+
+    monkeypatch.setattr(api, "POLICY_SEES_OUTPUT", False)
+    stack, x = make_stack(LAYERS), batch()
+    ref_loss, ref_grads = step(stack, x)
+    mgr = SwapManager(min_bytes=0)
+    for i, layer in enumerate(stack):
+        checkpoint_wrapper(layer, policy_for(CheckpointPolicy.MUST_SWAP), manager=mgr, tag=i)
+    emptied = []
+
+    def check():
+        groups = {g.tag: g for g in mgr.groups()}
+        emptied.extend(e.storage.nbytes() == 0 for i in range(LAYERS - 1) for e in groups[i].entries.values()
+                       if e.mode == "resize")
+
+    with CountOps() as counter:
+        loss, grads = step(stack, x, between=check)
+    assert torch.allclose(loss, ref_loss, rtol=0, atol=1e-6) and close(grads, ref_grads)
+    assert counter.counts[aten.sin.default] == LAYERS  # saved (then swapped), never recomputed
+    assert emptied and all(emptied) and mgr.moved_bytes > 0 and mgr.moved_bytes == mgr.loaded_bytes

@@ -233,3 +233,9 @@ def test_cpu_streams_are_synchronous_stand_ins():
         e.record(s)
     assert e.query() and not platform.copies_are_async() and not platform.pin_memory_available()
     assert platform.host_buffer(10).numel() == 10
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "1"])
+def test_bad_offloads_in_flight_is_a_clear_error(bad):
+    with pytest.raises(ValueError, match="offloads_in_flight"):
+        SwapManager(offloads_in_flight=bad)
