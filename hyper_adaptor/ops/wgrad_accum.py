@@ -15,13 +15,29 @@ bf16 product is never rounded to bf16 before it is added (as ``main_grad.add_(g.
 Backends (see ``backend.py``):
 
 - ``eager``: upcast, ``main_grad.addmm_`` (or, for a half ``main_grad``, add in fp32 and copy back).
-- ``fast``: the same formulation, picked by measurement on CPU (torch 2.13, 2 shared threads, median
+- ``fast``: on CPU the same formulation, picked by measurement (torch 2.13, 2 shared threads, median
   of 5, ``[1024 tokens, 1024 in] -> 768 out``; two runs, the first under load from other jobs):
   fp32 inputs, ``addmm_`` 9.96 / 29.2 ms vs ``mm`` + ``add_`` 11.1 / 27.8 ms (equal within noise;
   ``addmm_`` allocates no ``[out, in]`` temporary); bf16 inputs into fp32, upcast + ``addmm_``
   10.7 / 36.6 ms vs upcast + ``mm`` + ``add_`` 11.7 / 52.1 ms vs a native bf16 ``mm`` (which also
   rounds the product to bf16, so is wrong here) 76.5 / 91.9 ms. ``torch.mm(..., out_dtype=float32)``
   has no CPU kernel in torch 2.13. It skips the reshape and casts that are no-ops.
+
+  On CUDA, with fp16/bf16 inputs (both the same) and an fp32 ``main_grad``, it runs
+  ``torch.mm(g.t(), x, out_dtype=torch.float32)`` (``aten::mm.dtype``: a half GEMM on the tensor
+  cores that accumulates in fp32 and writes fp32) and then ``main_grad.add_`` it: the same contract
+  (exact half products, fp32 accumulation, one rounding into ``main_grad``; only the summation order
+  differs). Why: on an NVIDIA H100 (torch 2.11 cu130), ``bench/ops.py --scale 1 --dtype bf16``
+  (forward + backward, median) measured the upcast path at 7.28 ms for bf16 inputs into an fp32
+  ``main_grad`` (4096 tokens, 4096 -> 11008), against 0.75 ms for megatron's unfused bf16 path: the
+  upcast runs an fp32 GEMM, about 10x slower than a bf16 one there. The out_dtype path was written
+  after that measurement and has NOT run on a GPU yet; ``tests/gpu/test_cuda_fast_ops.py`` checks
+  it (accuracy against fp64, and that the path is taken) on the next GPU session. It is used only
+  when this torch has ``aten::mm.dtype`` (detected once at import); if the call raises (an older
+  torch, a dtype combination cuBLAS refuses) that is noticed once, the upcast path serves the call,
+  and the out_dtype path is not tried again in this process (``OUT_DTYPE_MM.failed`` says why; out
+  of memory is the call's own error and propagates). ``OUT_DTYPE_MM.calls`` counts the calls it
+  served. Half ``main_grad`` and fp32 inputs keep the upcast path on every device.
 - ``npu``: torch_npu's in-place grouped matmul-add (``npu_grouped_matmul_add_``, fp16/bf16 inputs
   accumulated into an fp32 buffer) with a single group spanning all tokens. Not verified on Ascend
   hardware here; any call it cannot serve falls back with a notice.
@@ -33,11 +49,26 @@ import types
 
 import torch
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, npu_module
+from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
 
-__all__ = ["wgrad_accum", "WGRAD_ACCUM", "KERNELS"]
+__all__ = ["wgrad_accum", "WGRAD_ACCUM", "KERNELS", "OUT_DTYPE_MM"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+def _has_mm_out_dtype() -> bool:
+    """Whether this torch has ``aten::mm.dtype`` (``torch.mm(a, b, out_dtype=...)``)."""
+    try:
+        return "out_dtype" in str(torch.ops.aten.mm.dtype._schema)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# The fast backend's half-GEMM-into-fp32 path (see the module docstring). ``available``: detected once;
+# ``devices``: where it is tried (device types with an ``aten::mm.dtype`` kernel); ``failed``: why it
+# stopped being tried (None while it is); ``calls``: calls it served.
+OUT_DTYPE_MM = types.SimpleNamespace(available=_has_mm_out_dtype(), devices=frozenset({"cuda"}),
+                                     failed=None, calls=0)
 
 
 def _flat(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
@@ -68,8 +99,35 @@ def _eager(total_input, grad_output, main_grad):
     return main_grad
 
 
+def _use_out_dtype_mm(x: torch.Tensor, g: torch.Tensor, main_grad: torch.Tensor) -> bool:
+    """Whether the fast backend computes this call with ``torch.mm(..., out_dtype=float32)``: half
+    inputs (the same dtype) into an fp32 ``main_grad``, all on a device in ``OUT_DTYPE_MM.devices``,
+    on a torch that has the op, and the op has not failed before."""
+    return (OUT_DTYPE_MM.available and OUT_DTYPE_MM.failed is None
+            and x.device.type in OUT_DTYPE_MM.devices
+            and g.device == x.device and main_grad.device == x.device
+            and x.dtype in _HALF and g.dtype == x.dtype and main_grad.dtype == torch.float32)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
 def _fast(total_input, grad_output, main_grad):
     x, g = _flat(total_input, grad_output, main_grad)
+    if _use_out_dtype_mm(x, g, main_grad):
+        try:
+            product = _mm_fp32(g.t(), x)
+        except torch.OutOfMemoryError:
+            raise  # the call's own error, not the op's: the next call tries again
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            OUT_DTYPE_MM.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            notice("wgrad_accum", "fast (torch.mm out_dtype=float32)",
+                   f"it failed, {OUT_DTYPE_MM.failed}", "the fp32 upcast GEMM from now on")
+        else:
+            main_grad.add_(product)
+            OUT_DTYPE_MM.calls += 1
+            return main_grad
     acc = _acc_dtype(main_grad)
     gt = g.t() if g.dtype == acc else g.t().to(acc)
     x = x if x.dtype == acc else x.to(acc)

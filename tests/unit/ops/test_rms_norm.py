@@ -169,3 +169,73 @@ def test_composition_with_level0_marks_sequence_parallel(register_ours_first):
         assert type(layer) is torch.nn.LayerNorm
         assert all(p.sequence_parallel is True for p in layer.parameters())  # compat still applies
     assert type(WrappedTorchNorm(config(), 32)) is torch.nn.RMSNorm
+
+
+# ------------------------------------------- fast backend: F.rms_norm on CUDA, compiled reference elsewhere
+# No GPU here: FakeTensorMode tensors that claim to be on CUDA (no data) run the CUDA branch of the
+# fast backend as it would run on a GPU; tests/gpu/test_cuda_fast_ops.py checks its numbers there.
+# (Built from meta tensors, since level 0 maps device="cuda" factories to the host; no autograd on
+# them: it would ask this CPU build for a CUDA device guard and abort.)
+
+
+def _fake(mode, shape, dtype, device):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    """Which kernel the fast backend ran: F.rms_norm calls and compiled-reference calls."""
+    import torch.nn.functional as F
+
+    from hyper_adaptor.ops import rms_norm as module
+
+    seen = []
+
+    def fused(x, shape, weight, eps):
+        seen.append(("fused", x.device.type, tuple(x.shape), tuple(shape), weight is not None, eps))
+        # no numbers from fake tensors (and F.rms_norm's bf16 decomposition makes a host tensor under
+        # level 0's device mapping): a result of the right kind is all the caller gets to see
+        return torch.empty_like(x)
+
+    def compiled(x, weight, eps):
+        seen.append(("compiled", x.device.type, tuple(x.shape), eps))
+        return module._reference(x, weight, eps)  # stands in for the compiled reference (no compile here)
+
+    monkeypatch.setattr(F, "rms_norm", fused)
+    monkeypatch.setattr(module, "_COMPILED", compiled)
+    return seen
+
+
+def test_fast_kernel_is_fused_only_on_cuda():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hyper_adaptor.ops.rms_norm import _fast_kernel_for
+
+    assert _fast_kernel_for(torch.empty(2, 8)) == "compiled"
+    assert _fast_kernel_for(torch.empty(2, 8, device="meta")) == "compiled"
+    with FakeTensorMode() as mode:
+        for dtype in DTYPES:
+            assert _fast_kernel_for(_fake(mode, (2, 8), dtype, "cuda")) == "fused"
+        assert _fast_kernel_for(_fake(mode, (2, 8), torch.bfloat16, "cpu")) == "compiled"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fast_on_cuda_runs_torch_fused_rms_norm(spied, dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        x = _fake(mode, (3, 2, 40), dtype, "cuda")
+        w = _fake(mode, (40,), dtype, "cuda")
+        y = rms_norm(x, w, 1e-6, backend="fast")
+        assert y.device.type == "cuda" and y.dtype == dtype and y.shape == (3, 2, 40)
+    # F.rms_norm on the input as given (megatron's call exactly), never the compiled reference
+    assert spied == [("fused", "cuda", (3, 2, 40), (40,), True, 1e-6)]
+
+
+def test_fast_on_cpu_keeps_the_compiled_reference(spied):
+    x, w, g = make((3, 2, 40), torch.bfloat16, seed=3)
+    got = run(lambda a, b: rms_norm(a, b, 1e-6, backend="fast"), x, w, g)
+    assert spied == [("compiled", "cpu", (6, 40), 1e-6)]  # on the 2-D view, F.rms_norm not called
+    close(got, run(lambda a, b: rms_norm(a, b, 1e-6, backend="eager"), x, w, g), torch.bfloat16)

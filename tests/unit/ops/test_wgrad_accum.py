@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0 before any megatron import)
+from hyper_adaptor.ops import backend as ops_backend
 from hyper_adaptor.ops import wgrad_accum as module
 from hyper_adaptor.ops.wgrad_accum import KERNELS, WGRAD_ACCUM, wgrad_accum
 from tests.unit.ops._world import open_world_of_one
@@ -123,6 +124,158 @@ def test_ops_module_stays_free_of_megatron_and_cuda():
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert not any(name.split(".")[0] == "megatron" for name in imported)
+
+
+# ------------------------------------------------ fast backend on CUDA: half GEMM with fp32 output
+# No GPU here: FakeTensorMode makes tensors that claim to be on CUDA (shapes, dtypes and devices only,
+# no data), so the CUDA decision and the call it leads to run as they would on a GPU. The GPU session
+# checks the numbers (tests/gpu/test_cuda_fast_ops.py).
+
+
+@pytest.fixture
+def fake_cuda():
+    """A FakeTensorMode; ``fake(mode, shape, dtype, device)`` makes its tensors. (Level 0 maps
+    ``device="cuda"`` in factories to the host here, so they are built from meta tensors. Autograd
+    must stay off: it would ask this CPU build for a CUDA device guard and abort the process.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        yield mode
+
+
+def fake(mode, shape, dtype, device):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, torch.empty(shape, dtype=dtype, device="meta"), torch.device(device))
+
+
+def _on(mode, device, x_dtype=torch.bfloat16, g_dtype=None, mg_dtype=torch.float32, tokens=6, n_in=8, n_out=5):
+    x = fake(mode, (tokens, n_in), x_dtype, device)
+    g = fake(mode, (tokens, n_out), g_dtype or x_dtype, device)
+    return x, g, fake(mode, (n_out, n_in), mg_dtype, device).zero_()
+
+
+@pytest.fixture
+def out_dtype_mm(monkeypatch):
+    """OUT_DTYPE_MM as on a fresh process (restored afterwards), with ``_mm_fp32`` spied on."""
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "failed", None)
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "calls", 0)
+    seen = []
+    real = module._mm_fp32
+
+    def spy(a, b):
+        seen.append((a.device.type, a.dtype, b.dtype))
+        return real(a, b)
+
+    monkeypatch.setattr(module, "_mm_fp32", spy)
+    ops_backend._noticed.difference_update({k for k in ops_backend._noticed if k[0] == "wgrad_accum"})
+    return seen
+
+
+def test_this_torch_has_mm_out_dtype():
+    # torch 2.13 (this project's pin) has aten::mm.dtype; without it the CUDA path would never be taken
+    assert module.OUT_DTYPE_MM.available and module._has_mm_out_dtype()
+    assert module.OUT_DTYPE_MM.devices == frozenset({"cuda"})
+
+
+def test_out_dtype_mm_only_for_cuda_half_inputs_into_fp32(fake_cuda, out_dtype_mm):
+    use = module._use_out_dtype_mm
+    assert use(*_on(fake_cuda, "cuda", torch.bfloat16)) and use(*_on(fake_cuda, "cuda", torch.float16))
+    assert not use(*_on(fake_cuda, "cpu", torch.bfloat16))            # no CPU kernel
+    assert not use(*_on(fake_cuda, "meta", torch.bfloat16))           # nor any other device
+    assert not use(*_on(fake_cuda, "cuda", torch.float32))            # fp32 inputs: the fp32 GEMM already
+    assert not use(*_on(fake_cuda, "cuda", torch.bfloat16, torch.float16))  # mixed half dtypes
+    assert not use(*_on(fake_cuda, "cuda", torch.bfloat16, mg_dtype=torch.bfloat16))  # half main_grad
+    assert not use(*_on(fake_cuda, "cuda", torch.bfloat16, mg_dtype=torch.float64))   # fp64 keeps fp64 accumulation
+    x, g, _ = _on(fake_cuda, "cuda", torch.bfloat16)
+    assert x.device.type == "cuda"
+    assert not use(x, g, fake(fake_cuda, (5, 8), torch.float32, "cpu"))  # main_grad on another device
+
+
+def test_out_dtype_mm_not_used_when_unavailable_or_failed(fake_cuda, out_dtype_mm, monkeypatch):
+    args = _on(fake_cuda, "cuda", torch.bfloat16)
+    assert module._use_out_dtype_mm(*args)
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "failed", "RuntimeError: refused")
+    assert not module._use_out_dtype_mm(*args)
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "failed", None)
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "available", False)
+    assert not module._use_out_dtype_mm(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fast_on_cuda_runs_one_half_gemm_into_fp32(fake_cuda, out_dtype_mm, dtype):
+    x = fake(fake_cuda, (3, 2, 8), dtype, "cuda")  # [s, b, h]: flattened to [6, 8]
+    g = fake(fake_cuda, (3, 2, 5), dtype, "cuda")
+    main_grad = fake(fake_cuda, (5, 8), torch.float32, "cuda").zero_()
+    assert wgrad_accum(x, g, main_grad, backend="fast") is main_grad
+    assert out_dtype_mm == [("cuda", dtype, dtype)]  # both operands stayed half: no upcast
+    assert module.OUT_DTYPE_MM.calls == 1 and module.OUT_DTYPE_MM.failed is None
+    assert main_grad.dtype == torch.float32 and main_grad.shape == (5, 8) and main_grad.device.type == "cuda"
+
+
+def test_fast_on_cuda_keeps_the_upcast_path_outside_the_contract(fake_cuda, out_dtype_mm):
+    # fp32 inputs (the upcast path with no casts: fake CUDA tensors cannot be cast on this CPU build;
+    # the other cases outside the contract are covered by the decision test above)
+    x, g, main_grad = _on(fake_cuda, "cuda", torch.float32)
+    assert wgrad_accum(x, g, main_grad, backend="fast") is main_grad
+    assert out_dtype_mm == [] and module.OUT_DTYPE_MM.calls == 0
+
+
+def test_fast_on_cpu_does_not_try_out_dtype_mm(out_dtype_mm):
+    x, g = make((4, 3, 24), 10, torch.bfloat16, 13)
+    main_grad = torch.zeros(10, 24)
+    wgrad_accum(x, g, main_grad, backend="fast")
+    assert out_dtype_mm == [] and module.OUT_DTYPE_MM.calls == 0 and module.OUT_DTYPE_MM.failed is None
+    torch.testing.assert_close(main_grad.double(), reference([(x, g)], torch.zeros(10, 24)),
+                               rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+def _cpu_has_no_mm_out_dtype():
+    try:
+        torch.mm(torch.ones(1, 1, dtype=torch.bfloat16), torch.ones(1, 1, dtype=torch.bfloat16),
+                 out_dtype=torch.float32)
+    except NotImplementedError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("failure", ["missing kernel", "refused"])
+def test_failing_out_dtype_mm_falls_back_once_with_one_notice(out_dtype_mm, monkeypatch, capsys, failure):
+    """Tried on CPU, where torch 2.13 has no aten::mm.dtype kernel (a real failure of the op), or
+    with the op refusing as cuBLAS might: the call is still right, one notice, never tried again."""
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "devices", frozenset({"cpu"}))
+    if failure == "missing kernel":
+        if not _cpu_has_no_mm_out_dtype():
+            pytest.skip("this torch has a CPU kernel for mm with out_dtype")
+    else:
+        def refuse(a, b):
+            out_dtype_mm.append(("refused", a.dtype, b.dtype))
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasGemmEx")
+
+        monkeypatch.setattr(module, "_mm_fp32", refuse)
+    pairs = [make((4, 3, 24), 10, torch.bfloat16, seed) for seed in (14, 15)]
+    main_grad = torch.zeros(10, 24)
+    capsys.readouterr()
+    for x, g in pairs:
+        wgrad_accum(x, g, main_grad, backend="fast")
+    assert len(out_dtype_mm) == 1  # tried once, not retried on the second call
+    assert module.OUT_DTYPE_MM.calls == 0 and module.OUT_DTYPE_MM.failed
+    expected = "NotImplementedError" if failure == "missing kernel" else "CUBLAS_STATUS_NOT_SUPPORTED"
+    assert expected in module.OUT_DTYPE_MM.failed
+    lines = [line for line in capsys.readouterr().out.splitlines() if "wgrad_accum" in line]
+    assert len(lines) == 1 and "upcast" in lines[0], lines
+    torch.testing.assert_close(main_grad.double(), reference(pairs, torch.zeros(10, 24)),
+                               rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+def test_out_of_memory_in_out_dtype_mm_propagates_and_is_retried(out_dtype_mm, monkeypatch):
+    monkeypatch.setattr(module.OUT_DTYPE_MM, "devices", frozenset({"cpu"}))
+    monkeypatch.setattr(module, "_mm_fp32", lambda a, b: (_ for _ in ()).throw(torch.OutOfMemoryError("oom")))
+    x, g = make((4, 24), 10, torch.bfloat16, 16)
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError):
+            wgrad_accum(x, g, torch.zeros(10, 24), backend="fast")
+        assert module.OUT_DTYPE_MM.failed is None  # the call's error, not the op's
 
 
 # ---------------------------------------------------------------- inside megatron's linear layers
