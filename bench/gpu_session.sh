@@ -11,6 +11,10 @@
 #   unit     tests/unit, the CPU tier's in-process tests, on this machine's CPUs with CUDA hidden (torch version check)
 #   memory   bench/memory.py on CUDA (max_memory_allocated, swap + prefetch vs save_on_cpu)
 #   ops      bench/ops.py on CUDA, fp32 and bf16
+#   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096): the swap step-time target
+#
+# All stages take about 9 minutes on an H100 and write 9 files; where one call is limited (10 minutes,
+# 8 files back), split it: STAGES="gpu unit memory ops", then STAGES="memory-large".
 #
 # The multi-rank benches (hsdp, pipeline, context_parallel) need one device per rank (NCCL refuses two
 # ranks on one GPU), so a one-GPU machine does not run them.
@@ -22,7 +26,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-STAGES=${STAGES:-"gpu unit memory ops"}
+STAGES=${STAGES-"gpu unit memory ops memory-large"}   # STAGES="" installs and runs nothing
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -63,3 +67,5 @@ if [[ -n "${UNIT_PID:-}" ]]; then
 fi
 stage memory 60 "$PYTHON" bench/memory.py --json "$OUT/memory-cuda.json"
 stage ops 150 bash -c "'$PYTHON' bench/ops.py --json '$OUT/ops-cuda.json' && '$PYTHON' bench/ops.py --dtype bf16 --json '$OUT/ops-cuda-bf16.json'"
+stage memory-large 240 "$PYTHON" bench/memory.py --layers 4 --hidden 2048 --heads 16 --seq 4096 --batch 2 \
+  --rounds 5 --threads 16 --json "$OUT/memory-cuda-large.json"

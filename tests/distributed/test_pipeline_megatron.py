@@ -22,8 +22,11 @@ TARGET = "tests.distributed.test_pipeline_megatron:train_schedules"
 TOL = dict(loss_rtol=1e-5, grad_atol=1e-5, param_atol=1e-5)
 # ZBV in bf16: each rank holds other parameters than under the loop placement, so megatron's grad norm adds
 # its per-rank partial sums in another order (1e-7 relative, seen in fp32 too); the clipped update then rounds
-# some bf16 parameter one unit (2^-8 relative) the other way after the second step
+# some bf16 parameter one unit (2^-8 relative) the other way after the second step. Its effect on the next
+# grad norm and evaluation depends on which parameter flips, which depends on the CPU's bf16 GEMMs: under 1e-4
+# relative on an AMD EPYC VM, 1.1e-4 on an Intel Xeon with AMX-bf16
 TOL_V_BF16 = dict(loss_rtol=1e-5, grad_rtol=1e-2, param_atol=1e-3)
+V_BF16_NORM_RTOL = 3e-4
 
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather",
            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
@@ -111,9 +114,9 @@ def test_every_schedule_matches_megatrons_own():
             assert diffs == [], f"{case} {schedule}:\n" + "\n".join(diffs[:20])
             for r, result in enumerate(ranks):
                 want, have = result[case]["megatron"], result[case][schedule]
-                assert have["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4 if v_bf16 else 1e-5), \
+                assert have["grad_norm"] == pytest.approx(want["grad_norm"], rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), \
                     (case, schedule, r)
-                assert have["eval"] == pytest.approx(want["eval"], rel=1e-4 if v_bf16 else 1e-5), (case, schedule, r)
+                assert have["eval"] == pytest.approx(want["eval"], rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), (case, schedule, r)
                 assert have["loss"] == pytest.approx(want["loss"], rel=1e-5), (case, schedule, r)
                 assert have["served"] == len(have["loss"]) + 1, (case, schedule, r)
                 # zero-bubble schedules computed megatron's linear weight gradients in W steps

@@ -71,8 +71,15 @@ def test_hsdp_matches_megatron_ddp(ddp, name):
 
 BF16 = ["--bf16", "--train-iters", "4"]
 # megatron logs the grad norm to 3 decimals; the bf16 runs differ by one unit there (seen: 2.137 vs
-# 2.138), so two units: a global norm off by about 1e-3 relative fails
+# 2.138 on an AMD EPYC VM; 2.983 vs 2.981 at step 4 on an Intel Xeon with AMX-bf16, whose bf16 GEMMs round
+# differently), so two units: a global norm off by about 1e-3 relative fails
 GRAD_NORM_TOLERANCE = 2e-3
+
+
+def within_logged_units(got: float, want: float, tolerance: float = GRAD_NORM_TOLERANCE) -> bool:
+    """|got - want| <= tolerance for numbers logged with 3 decimals, counted in those units: the floats'
+    own difference (2.983 - 2.981 = 0.0020000000000002) must not fail an allowed two units."""
+    return round(abs(got - want) * 1000) <= round(tolerance * 1000)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +102,7 @@ def test_bf16_matches_megatron_ddp(ddp_bf16, level):
     norms, want_norms = grad_norms(output), grad_norms(want_output)
     assert sorted(norms) == sorted(want_norms) == [1, 2, 3, 4]
     for it in (1, 2, 3, 4):
-        assert abs(norms[it] - want_norms[it]) <= GRAD_NORM_TOLERANCE, (norms, want_norms)
+        assert within_logged_units(norms[it], want_norms[it]), (norms, want_norms)
 
 
 def test_fp16_loss_scaling_matches_megatron_ddp():
@@ -115,7 +122,7 @@ def test_fp16_loss_scaling_matches_megatron_ddp():
     norms, want_norms = grad_norms(output), grad_norms(want_output)
     assert sorted(norms) == sorted(want_norms) and want_norms, (norms, want_norms)
     for it in want_norms:
-        assert abs(norms[it] - want_norms[it]) <= GRAD_NORM_TOLERANCE, (norms, want_norms)
+        assert within_logged_units(norms[it], want_norms[it]), (norms, want_norms)
 
 
 # -- checkpoints: save at iteration 3 of 6, resume, compare with the uninterrupted run ---------------

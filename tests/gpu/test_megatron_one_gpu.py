@@ -4,7 +4,8 @@ adaptor at levels 0-2 and with the memory flags, fp32 and bf16, 5 iterations eac
 Every run but the two ``_nondet`` ones has --deterministic-mode (CUDA's atomics otherwise change the last
 bits from run to run). Parity: level 0 equals unpatched megatron (to the 7 digits megatron logs, losses and grad norms);
 --swap-attention equals the same run without it; --recompute-activation-function / --recompute-norm
-within 1e-6; --optimizer-cpu-offload (Adam on the host) within 1e-5; level 1's fused kernels within 2e-3 (5e-3 without
+within 1e-6; --optimizer-cpu-offload (Adam on the host) and --use-hsdp (levels 1, 3; one rank) within 1e-5
+(bf16 1e-4); level 1's fused kernels within 2e-3 (5e-3 without
 --deterministic-mode, where its fast kernels serve).
 The runs are small and their start-up is CPU-bound: they run side by side on the one GPU, each on its own
 port. Skipped without CUDA (CI has none); run by bench/gpu_session.sh.
@@ -55,7 +56,14 @@ RUNS = {
     "recompute": (True, ["--optimization-level", "2", "--recompute-activation-function", "--recompute-norm"]),
     "level2_distopt": (True, ["--optimization-level", "2", *DISTOPT]),
     "offload": (True, ["--optimization-level", "2", *DISTOPT, *OFFLOAD]),
+    # HSDP on one rank: no sharding to speak of, but its CUDA paths (side streams, pinned pool, NCCL) run
+    "hsdp_level1": (True, ["--optimization-level", "2", "--use-hsdp", "--hsdp-optimizer-level", "level1",
+                           "--hsdp-threshold-kb", "0"]),
+    "hsdp_level3": (True, ["--optimization-level", "2", "--use-hsdp", "--hsdp-optimizer-level", "level3",
+                           "--hsdp-threshold-kb", "0"]),
     "level2_bf16": (True, ["--optimization-level", "2", "--bf16"]),
+    "hsdp_level3_bf16": (True, ["--optimization-level", "2", "--bf16", "--use-hsdp", "--hsdp-optimizer-level",
+                                "level3", "--hsdp-threshold-kb", "0"]),
     "swap_bf16": (True, ["--optimization-level", "2", "--bf16", "--swap-attention"]),
     "level2_bf16_distopt": (True, ["--optimization-level", "2", "--bf16", *DISTOPT]),
     "offload_bf16": (True, ["--optimization-level", "2", "--bf16", *DISTOPT, *OFFLOAD]),
@@ -126,6 +134,9 @@ def close(a, b, rtol):
     ("recompute", "level2", 1e-6),
     ("offload", "level2_distopt", 1e-5),
     ("swap_bf16", "level2_bf16", 0.0),
+    ("hsdp_level1", "level2", 1e-5),
+    ("hsdp_level3", "level2", 1e-5),
+    ("hsdp_level3_bf16", "level2_bf16", 1e-4),
     # bf16: the host's fp32 Adam rounds a master weight differently from CUDA's in the last bit now and
     # then, and the bf16 copy of that weight then differs by one bf16 step: 2.2e-5 relative at step 5
     ("offload_bf16", "level2_bf16_distopt", 1e-4),
