@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_adaptor.memory import (CheckpointPolicy, GroupState, SwapError, SwapManager, checkpoint, checkpoint_wrapper,
                                   swap_wrapper)
+from hyper_adaptor.memory import api
 from tests.unit.memory._models import batch, make_stack, step
 
 LAYERS = 3
@@ -65,6 +66,8 @@ def test_full_recompute_without_policy():
     assert counter.counts[aten.sin.default] == 2 * LAYERS
 
 
+@pytest.mark.skipif(not api.POLICY_SEES_OUTPUT, reason="this torch gives the policy no ctx.op_output to record; "
+                    "test_must_swap_where_the_policy_runs_before_the_op covers that path")
 def test_must_swap_outputs_are_on_the_host_between_forward_and_backward():
     stack, x = make_stack(LAYERS), batch()
     ref_loss, ref_grads = step(stack, x)
@@ -195,8 +198,6 @@ def test_must_swap_never_empties_a_parameter_or_the_callers_input():
 def test_must_swap_where_the_policy_runs_before_the_op(monkeypatch):
     """torch releases before 2.13 ask the policy before the op runs (no ctx.op_output; 2.11 on our GPU
     machine): the output then reaches the swap group through the engine's own dispatch mode."""
-    from hyper_adaptor.memory import api
-
     monkeypatch.setattr(api, "POLICY_SEES_OUTPUT", False)
     stack, x = make_stack(LAYERS), batch()
     ref_loss, ref_grads = step(stack, x)
