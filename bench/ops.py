@@ -63,14 +63,6 @@ def saved_bytes(fn) -> int:
     return total
 
 
-def bench_device() -> torch.device:
-    """The platform's device (``cpu``, or ``cuda``/``npu`` at the process's current index)."""
-    dev = ha_platform.device_type()
-    if dev == "cpu":
-        return torch.device("cpu")
-    return torch.device(dev, ha_platform.device_module().current_device())
-
-
 def device_name() -> str | None:
     """The accelerator's name (e.g. ``NVIDIA H100 80GB HBM3``); None on CPU."""
     dev = ha_platform.device_type()
@@ -99,7 +91,7 @@ class Case:
 def _leaf(shape, dtype, seed):
     """Seeded numbers drawn on the CPU (identical on every device), then moved: the leaf is the device tensor."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(device=bench_device(), dtype=dtype).requires_grad_()
+    return torch.randn(shape, generator=g).to(device=ha_platform.current_device(), dtype=dtype).requires_grad_()
 
 
 def cases(scale: int, dtype: torch.dtype, backend: str | None):
@@ -112,7 +104,7 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
     hidden, seq, heads, head_dim = 4096 // scale, 4096 // scale, 32 // scale, 128
     ffn = 11008 // scale
     tokens = seq  # micro-batch 1
-    device = bench_device()
+    device = ha_platform.current_device()
     out = []
 
     # RMSNorm
@@ -255,7 +247,7 @@ def _megatron_experts(moe: dict, dtype):
     # initialised on the CPU (seeded, the same weights on every device), then moved with its dtype kept
     module = SequentialMLP(moe["experts"], config,
                            MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
-                           pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(bench_device())
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups()).to(ha_platform.current_device())
     return module, grouped_patch._wrap_forward(SequentialMLP.forward)
 
 
@@ -288,7 +280,7 @@ def _megatron_attention(heads, head_dim, dtype):
                                attention_dropout=0.0, masked_softmax_fusion=False, params_dtype=dtype,
                                bf16=dtype == torch.bfloat16)
     module = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
-                                 attention_type="self").to(bench_device())
+                                 attention_type="self").to(ha_platform.current_device())
     return lambda q, k, v, m: module(q, k, v, m)
 
 
@@ -332,7 +324,7 @@ def attention_memory_sweep(heads: int, head_dim: int, dtype: torch.dtype, backen
     rows = []
     for seq in (256, 512, 1024, 2048):
         q, k, v = (_leaf((seq, 1, heads, head_dim), dtype, i) for i in (4, 5, 6))
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=bench_device()), diagonal=1)[None, None]
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ha_platform.current_device()), diagonal=1)[None, None]
         fused = saved_bytes(lambda: att.attention(q, k, v, causal=True, scale=head_dim ** -0.5, backend=backend))
         eager = saved_bytes(lambda: att.attention(q, k, v, causal=True, mask=mask, scale=head_dim ** -0.5,
                                                   backend="eager"))

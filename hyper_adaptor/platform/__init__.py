@@ -75,6 +75,12 @@ def device_module(dev: str | None = None):
     return getattr(torch, dev or device_type())
 
 
+def current_device(dev: str | None = None) -> torch.device:
+    """This process's device: ``cpu``, or the accelerator at the device module's current index."""
+    dev = dev or device_type()
+    return torch.device("cpu") if dev == "cpu" else torch.device(dev, device_module(dev).current_device())
+
+
 def synchronize() -> None:
     device_module().synchronize()
 

@@ -42,18 +42,18 @@ def test_platform_picks_cuda_nccl_and_a_separate_copy_stream():
 def _step_holding(stack, x):
     """Forward + backward; also the bytes the forward left allocated on the device at its end (what the
     backward starts from), counted from just before it."""
-    stack.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    h = x * 1.0
-    for layer in stack:
-        h = layer(h)
-    loss = h.float().square().mean()
-    torch.cuda.synchronize()
-    held = torch.cuda.memory_allocated() - before
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in stack.parameters()] + [x.grad.clone()], held
+    from tests.unit.memory._models import step
+
+    at = {}
+
+    def mark(name):
+        def record():
+            torch.cuda.synchronize()
+            at[name] = torch.cuda.memory_allocated()
+        return record
+
+    loss, grads = step(stack, x, between=mark("after"), before=mark("before"))
+    return loss, grads, at["after"] - at["before"]
 
 
 def test_swap_is_bitwise_exact_and_frees_device_memory():

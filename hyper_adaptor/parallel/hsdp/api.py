@@ -98,7 +98,7 @@ def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int,
     config.validate(dp_size)
     device_type = platform.device_type()
     mesh = build_mesh(group, shard_size, device_type)
-    device = torch.device(device_type, platform.device_module().current_device()) if device_type != "cpu" else torch.device("cpu")
+    device = platform.current_device(device_type)
     state = HSDPState(module, config, mesh, device, buffer_pool if buffer_pool is not None else mesh.pool)
     # the outermost wrapped module casts inputs; nested ones are never root
     for sub in module.modules():

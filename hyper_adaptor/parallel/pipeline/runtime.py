@@ -62,10 +62,9 @@ def _global(group, pipeline_rank: int) -> int:
 
 def default_device(group) -> torch.device:
     """Where receive buffers live: the host for gloo, this process's accelerator otherwise."""
-    if dist.get_backend(group) == "gloo" or platform.device_type() == "cpu":
+    if dist.get_backend(group) == "gloo":
         return torch.device("cpu")
-    dev = platform.device_type()
-    return torch.device(dev, platform.device_module(dev).current_device())
+    return platform.current_device()
 
 
 def warm_up_pairs(layout: StageLayout, group, device: torch.device) -> None:

@@ -59,11 +59,14 @@ def batch(seed: int = 1, b: int = 2, s: int = 16, hidden: int = 32) -> torch.Ten
     return torch.randn(b, s, hidden, generator=g)
 
 
-def step(stack, x, between=None):
-    """Forward + backward of the stack on ``x``; ``between()`` runs after the forward. Returns the loss and
-    every gradient (parameters and input)."""
+def step(stack, x, between=None, before=None):
+    """Forward + backward of the stack on ``x``; ``before()`` runs right before the forward (gradients
+    cleared, input ready), ``between()`` after it. Returns the loss and every gradient (parameters and
+    input)."""
     stack.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
+    if before is not None:
+        before()
     h = x * 1.0  # a non-leaf input, as a layer's input is inside a model
     for layer in stack:
         h = layer(h)
