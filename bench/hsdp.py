@@ -186,7 +186,17 @@ _VOLUME = {
     "all_to_all_single": (lambda a, k: _nbytes(_arg(a, k, 1, "input")), 4),
     "all_to_all": (lambda a, k: _nbytes(_arg(a, k, 1, "input_tensor_list")), 2),
     "barrier": (lambda a, k: 0, 0),
+    # HSDP's all-to-all exchanges on gloo are point-to-point messages (_bucket._exchange): each send
+    # is one of the S-1 chunks of a reduce-scatter or all-gather, so it counts S/(S-1) times its bytes
+    # and the S-1 sends add up to the collective's buffer, the convention above; receives count 0
+    "isend": (lambda a, k: _nbytes(_arg(a, k, 0, "tensor")) * _per_send(k.get("group")), 2),
+    "irecv": (lambda a, k: 0, 2),
 }
+
+
+def _per_send(group) -> float:
+    size = dist.get_world_size(group)
+    return size / (size - 1) if size > 1 else 0.0
 
 
 class CommCounter:

@@ -374,7 +374,7 @@ class _CountCollectives:
     """While entered, counts the calls of the torch.distributed collectives HSDP may shard with (it
     calls them through the module's attributes, which are wrapped here)."""
 
-    NAMES = ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor")
+    NAMES = ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "isend", "irecv")
 
     def __init__(self):
         self.calls = dict.fromkeys(self.NAMES, 0)
@@ -397,6 +397,17 @@ class _CountCollectives:
         return call
 
 
+class _Waited:
+    """A handle already waited on (waiting again is a no-op)."""
+
+    def __init__(self, work):
+        if work is not None:
+            work.wait()
+
+    def wait(self) -> None:
+        pass
+
+
 def _collective_paths() -> dict:
     """HSDP's reduce-scatter and all-gather on gloo (each as an all-to-all) and gloo's own, sync and
     async, over the world and over a 2-rank subgroup, fp32 and bf16: the reduce-scatter gives this
@@ -410,19 +421,35 @@ def _collective_paths() -> dict:
     if rank in (0, 1):
         groups["pair"] = (pair, [0, 1])
     pool = HostBufferPool()
+    problems = []
 
     def reduce_scatter(inputs, me, group, async_op, as_all_to_all):
         out = torch.empty(7, dtype=inputs[me].dtype)
+        pool.free.clear()
         work = _bucket.reduce_scatter(out, inputs[me].clone(), group, async_op, pool, as_all_to_all)
+        if as_all_to_all:
+            # the exchange's receive buffer (S-1 chunks) comes from the pool and is back only after the
+            # transfer (a block handed out while a peer may still write it would be corrupted)
+            if async_op and pool.reserved_bytes() != 0:
+                problems.append(f"rs async: a pooled block is back before the wait ({pool.reserved_bytes()} B)")
+            work = _Waited(work)
+            want_back = (len(inputs) - 1) * 7 * out.element_size()
+            if pool.reserved_bytes() != want_back:
+                problems.append(f"rs: {pool.reserved_bytes()} B pooled after the transfer, not {want_back}")
         return out, work, torch.stack([t.float() for t in inputs]).sum(0)[me * 7 : (me + 1) * 7]
 
     def all_gather(inputs, me, group, async_op, as_all_to_all):
         shard = inputs[me][:7].clone()
         out = torch.empty(7 * len(inputs), dtype=shard.dtype)
+        pool.free.clear()
         work = _bucket.all_gather(out, shard, group, async_op, pool, as_all_to_all)
+        if as_all_to_all:
+            work = _Waited(work)  # the one send buffer serves every peer: nothing repeated, nothing pooled
+            if pool.free:
+                problems.append(f"ag: the exchange took a pooled buffer: {pool.reserved_bytes()} B")
         return out, work, torch.cat([t[:7].float() for t in inputs])
 
-    problems, used = [], {}
+    used = {}
     with _CountCollectives() as counted:
         calls = counted.calls
         for op_name, op in (("rs", reduce_scatter), ("ag", all_gather)):
