@@ -18,9 +18,10 @@ with ``use_cpu_initialization`` from one seed) under every contender:
   (the multi-tensor Adam torch picks by default on CUDA; megatron's optimizers step flat buffers);
   ``-t64`` rows: the same with the default threshold (64 KB: smaller parameters stay whole);
   ``-async`` rows: the same with ``comm_async=True`` (reductions overlap the rest of backward);
-  on gloo HSDP reduce-scatters with an all-to-all and a local sum (``_bucket.reduce_scatter``: gloo's
-  ``reduce_scatter_tensor`` is a clone + all-reduce + copy) and all-gathers with an all-to-all of the
-  repeated shard (``_bucket.all_gather``: gloo's all-gather is a ring); the ``-gloo`` rows use gloo's
+  on gloo HSDP reduce-scatters with an all-to-all exchange of point-to-point messages and a local sum
+  (``_bucket.reduce_scatter``: gloo's ``reduce_scatter_tensor`` is a clone + all-reduce + copy) and
+  all-gathers by sending its shard to every peer (``_bucket.all_gather``: gloo's all-gather is a ring);
+  these sends count as their collective (see ``_VOLUME``); the ``-gloo`` rows use gloo's
   own reduce-scatter and all-gather (``hsdp(..., gloo_reduce_scatter_as_all_to_all=False,
   gloo_all_gather_as_all_to_all=False)``), as Megatron and FSDP2 do, to show what that choice is
   worth; at level 3 HSDP keeps the root and the last layer gathered from forward to backward (as FSDP2

@@ -13,9 +13,9 @@ buckets (the root's early all-gather of every stale unit, level 1's reduction at
 is cut into *runs* of consecutive buckets that fit it; and at most one all-gather run is in flight at a
 time (:class:`_GatherQueue`: the next run starts when the previous one has been read), at most one
 reduction (``_state._launch_ready``; ``comm_async`` lifts that). So what a step adds to the model state
-for communication is about two buckets (on gloo the all-to-all's send and receive buffers) — four at
-level 3 in backward, where the next unit's gather prefetch and this unit's reduction overlap —
-whatever the model size; the pool (_pool.py) then never holds a block larger than a bucket either.
+for communication is about two buckets (a gather's receive buffer, a reduction's send buffer and its
+receive of S-1 chunks on gloo) — about three at level 3 in backward, where the next unit's gather
+prefetch and the previous unit's reduction overlap — whatever the model size; the pool (_pool.py) then never holds a block larger than a bucket either.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ class HSDPConfig:
     offload: bool = False
     cast_forward_inputs: bool = False
     # On gloo with CPU tensors, do the shard group's reduce-scatter / all-gather as an all-to-all
-    # (faster there, measured: see _bucket.reduce_scatter / all_gather); False uses gloo's own.
+    # exchange of point-to-point messages (faster there and no extra buffer, measured: see
+    # _bucket.reduce_scatter / all_gather); False uses gloo's own.
     # Other backends always use their native collectives.
     gloo_reduce_scatter_as_all_to_all: bool = True
     gloo_all_gather_as_all_to_all: bool = True

@@ -129,7 +129,8 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
     ``comm_async`` overlaps gradient reduction with the rest of backward. Gradients are averaged
     over the data-parallel group, then multiplied by ``grad_scale``, reduced in ``reduce_dtype``.
     ``gloo_reduce_scatter_as_all_to_all`` / ``gloo_all_gather_as_all_to_all``: on gloo (CPU), run
-    those collectives as an all-to-all (faster there) or, False, as gloo's own. ``buffer_pool``: the
+    those collectives as an all-to-all exchange of point-to-point messages (faster there, and no
+    buffer beyond the collective's own) or, False, as gloo's own. ``buffer_pool``: the
     :class:`HostBufferPool` this module's collectives take their host buffers from (None: the one
     shared by every module wrapped over the same groups; ``HostBufferPool(keep=0)`` keeps none).
     """
