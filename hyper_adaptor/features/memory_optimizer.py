@@ -27,11 +27,25 @@ def adjust(args) -> list[str]:
     if not asked(args, "optimizer_cpu_offload"):
         return notices
     hide_from_megatron(args, "optimizer_cpu_offload")
-    if getattr(args, "use_precision_aware_optimizer", False) and _precision_dtypes_are_fp32(args):
+    if getattr(args, "use_precision_aware_optimizer", False) and _precision_dtypes_are_fp32(args) \
+            and not serves_precision_aware(args):
         notices.append(switch(args, "use_precision_aware_optimizer", False,
                               "--optimizer-cpu-offload is served by hyper_adaptor's host optimizer, which keeps "
                               "fp32 master weights and moments itself"))
     return notices
+
+
+def serves_precision_aware(args) -> bool:
+    """Whether ``--use-precision-aware-optimizer`` stays on with ``--optimizer-cpu-offload``: megatron's own
+    path for it (its distributed optimizer over a CPU-offload optimizer, which hyper_adaptor replaces) is
+    the one where no fp32 main copies sit beside half-precision parameters, so it is kept where megatron
+    can take it — the distributed optimizer, ``--bf16`` / ``--fp16``, Adam (megatron's precision-aware
+    optimizer is Adam only), megatron's own DDP (not ``--use-hsdp``). Elsewhere it would only add
+    megatron's requirements (the distributed optimizer, Adam) to a case the other path serves."""
+    return bool(getattr(args, "use_distributed_optimizer", False)
+                and (getattr(args, "bf16", False) or getattr(args, "fp16", False))
+                and getattr(args, "optimizer", "adam") == "adam"
+                and not getattr(args, "use_hsdp", False))
 
 
 def validate(args) -> None:

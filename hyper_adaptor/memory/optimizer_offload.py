@@ -15,6 +15,13 @@ instance of the same optimizer class. Which parameters, in this order of precede
 Parameters are plain tensors / ``nn.Parameter`` on any device (HSDP's local shards are): nothing here
 assumes a device type. Hyper-parameters (``lr``, ``weight_decay``, ...) are read from this optimizer's
 ``param_groups`` at every step, so LR schedulers work on it as on any optimizer.
+
+Half-precision parameters whose gradient arrives in fp32 beside them (megatron's precision-aware path:
+bf16 parameter shards, fp32 ``decoupled_grad``): ``grad_attr="decoupled_grad"`` reads each gradient from
+that attribute (``.grad`` where it is unset), and ``device_masters=True`` gives the device-stepped ones an
+fp32 master on the device as well (the offloaded ones always have theirs on the host), so every step runs
+in fp32 and the parameter receives the rounded result — the arithmetic of megatron's fp32 main parameters,
+with the fp32 copies of the offloaded share on the host only.
 """
 
 from __future__ import annotations
@@ -31,6 +38,15 @@ def _check_fraction(fraction) -> float:
         raise ValueError(f"OffloadOptimizer: offload_fraction must be a number in [0, 1] (the share of parameter "
                          f"elements whose optimizer state lives on the host); got {fraction!r}")
     return float(fraction)
+
+
+def run_closure(closure):
+    """torch's optimizer ``closure`` convention: the loss it returns, computed with grad enabled (None
+    without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 class _StateByParameter(Mapping):
@@ -65,13 +81,15 @@ class _StateByParameter(Mapping):
 
 class OffloadOptimizer(torch.optim.Optimizer):
     def __init__(self, params, optimizer_class=torch.optim.Adam, *, offload_fraction: float = 1.0,
-                 offload_fn=None, pin_memory: bool | None = None, **defaults) -> None:
+                 offload_fn=None, pin_memory: bool | None = None, grad_attr: str = "grad",
+                 device_masters: bool = False, **defaults) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"OffloadOptimizer: optimizer_class must be a torch.optim.Optimizer subclass, got "
                             f"{optimizer_class!r}")
         fraction = _check_fraction(offload_fraction)
         super().__init__(params, defaults)
         self.optimizer_class = optimizer_class
+        self.grad_attr = grad_attr
         self.pin_memory = platform.pin_memory_available() if pin_memory is None else pin_memory
         for p in (p for g in self.param_groups for p in g["params"]):
             if type(p) not in (torch.Tensor, torch.nn.Parameter):
@@ -80,11 +98,13 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
         chosen = self._choose(fraction, offload_fn)
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
+        # fp32 masters of half-precision device-stepped parameters (``device_masters=True``), on their device
+        self.device_masters: dict[torch.Tensor, torch.Tensor] = {}
         device_groups, host_groups = [], []
         self._group_links = []   # (this group, its device-optimizer group index, its host-optimizer group index)
         for group in self.param_groups:
             hyper = {k: v for k, v in group.items() if k not in ("params", "offload")}
-            on_device = [p for p in group["params"] if p not in chosen]
+            on_device = [self._device_master(p) if device_masters else p for p in group["params"] if p not in chosen]
             on_host = [self._master(p) for p in group["params"] if p in chosen]
             d = h = None
             if on_device:
@@ -120,6 +140,21 @@ class OffloadOptimizer(torch.optim.Optimizer):
         self.masters[p] = master
         return master
 
+    def _device_master(self, p: torch.Tensor) -> torch.Tensor:
+        if torch.promote_types(p.dtype, torch.float32) == p.dtype:
+            return p  # fp32 or wider: stepped as it is
+        master = p.detach().to(torch.float32, copy=True)
+        self.device_masters[p] = master
+        return master
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s gradient: its ``grad_attr`` attribute where set, else ``.grad``."""
+        if self.grad_attr != "grad":
+            grad = getattr(p, self.grad_attr, None)
+            if grad is not None:
+                return grad
+        return p.grad
+
     @property
     def state(self) -> Mapping:
         return _StateByParameter(self)
@@ -144,18 +179,27 @@ class OffloadOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._sync_hyperparameters()
         for p, master in self.masters.items():
-            if p.grad is None:
+            grad = self.grad_of(p)
+            if grad is None:
                 master.grad = None
                 continue
             if master.grad is None:
                 master.grad = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
-            master.grad.copy_(p.grad, non_blocking=True)
+            master.grad.copy_(grad, non_blocking=True)
+        for p, master in self.device_masters.items():
+            grad = self.grad_of(p)
+            master.grad = None if grad is None else grad.to(master.dtype)
+        if self.grad_attr != "grad" and self.device_optimizer is not None:
+            stepped_masters = {id(m) for m in self.device_masters.values()}
+            for group in self.device_optimizer.param_groups:  # stepped as they are: the gradient beside them
+                for p in group["params"]:
+                    if id(p) not in stepped_masters:
+                        grad = self.grad_of(p)
+                        if grad is not None and grad is not p.grad:
+                            p.grad = grad
         if self.masters and platform.copies_are_async(self._device_type()):
             platform.synchronize()  # the gradients are on the host before the host step reads them
         if self.device_optimizer is not None:
@@ -163,8 +207,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
         if self.host_optimizer is not None:
             self.host_optimizer.step()
         for p, master in self.masters.items():
-            if p.grad is not None:
+            if master.grad is not None:
                 p.copy_(master, non_blocking=True)
+        for p, master in self.device_masters.items():
+            if master.grad is not None:
+                p.copy_(master)
         # A later host step writes the masters again only after the next step's synchronize above.
         return loss
 
@@ -172,9 +219,15 @@ class OffloadOptimizer(torch.optim.Optimizer):
         first = next(iter(self.masters))
         return first.device.type
 
+    def refresh_masters(self) -> None:
+        """Every master takes its parameter's current value (after the parameters were written outside
+        the optimizer: a checkpoint's model weights, megatron's ``reload_model_params``)."""
+        for p, master in (*self.masters.items(), *self.device_masters.items()):
+            master.copy_(p.detach())
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        for master in self.masters.values():
+        for master in (*self.masters.values(), *self.device_masters.values()):
             if set_to_none:
                 master.grad = None
             elif master.grad is not None:
@@ -188,14 +241,23 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 return 0
             return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor) and v.dim() > 0)
-        masters = sum(m.numel() * m.element_size() * (1 + (m.grad is not None)) for m in self.masters.values())
-        return {"device": state_of(self.device_optimizer), "host": state_of(self.host_optimizer) + masters}
+        def masters_of(masters):  # master weights and the gradient buffers they own
+            total = 0
+            for p, m in masters.items():
+                source = self.grad_of(p)
+                own_grad = m.grad is not None and not (
+                    source is not None and m.grad.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
+                total += m.numel() * m.element_size() * (1 + own_grad)
+            return total
+        return {"device": state_of(self.device_optimizer) + masters_of(self.device_masters),
+                "host": state_of(self.host_optimizer) + masters_of(self.masters)}
 
     def state_dict(self) -> dict:
         return {
             "device": None if self.device_optimizer is None else self.device_optimizer.state_dict(),
             "host": None if self.host_optimizer is None else self.host_optimizer.state_dict(),
             "masters": [m.clone() for m in self.masters.values()],
+            "device_masters": [m.clone() for m in self.device_masters.values()],
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
         }
 
@@ -211,6 +273,8 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self.host_optimizer.load_state_dict(state_dict["host"])
             # torch moves loaded state to each parameter's device: the masters' is the host.
         for master, saved in zip(self.masters.values(), state_dict["masters"]):
+            master.copy_(saved)
+        for master, saved in zip(self.device_masters.values(), state_dict.get("device_masters", [])):
             master.copy_(saved)
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)

@@ -88,7 +88,8 @@ def _build(run: dict):
     opt_config = OptimizerConfig(
         optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
         use_distributed_optimizer=dist_opt, optimizer_cpu_offload=run.get("offload", False),
-        optimizer_offload_fraction=run.get("fraction", 1.0))
+        optimizer_offload_fraction=run.get("fraction", 1.0),
+        use_precision_aware_optimizer=run.get("precision_aware", False))
     return config, chunk, get_megatron_optimizer(opt_config, [chunk])
 
 
@@ -143,6 +144,11 @@ def _accounting(optimizer) -> dict:
     out = {"wrapper": type(getattr(optimizer, "chained_optimizers", [optimizer])[0]).__name__,
            "inner": type(inner).__name__}
     engine = getattr(inner, "engine", None)
+    wrapper = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    mains = getattr(wrapper, "shard_fp32_from_float16_groups", None)
+    if mains is not None:  # the distributed optimizer's fp32 main shards of half-precision parameters
+        out["fp32_main_bytes"] = sum(m.numel() * m.element_size() for g in mains for m in g if m is not None)
+        out["half_shard_elements"] = sum(p.numel() for g in wrapper.shard_float16_groups for p in g)
     if engine is not None:
         out["state_bytes"] = inner.state_bytes()
         out["offloaded"] = sum(p.numel() for p in engine.masters)
@@ -151,6 +157,7 @@ def _accounting(optimizer) -> dict:
         out["host_state_devices"] = sorted({v.device.type for s in engine.host_optimizer.state.values()
                                             for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0}
                                            if engine.host_optimizer is not None else [])
+        out["device_master_elements"] = sum(m.numel() for m in getattr(engine, "device_masters", {}).values())
     # what megatron's wrapper reads as the torch optimizer's state: every parameter has Adam's moments
     out["state_keys"] = sorted({k for s in inner.state.values() for k in s})
     out["params_with_state"] = len(inner.state)
@@ -259,6 +266,13 @@ RUNS = {
     "hsdp-bf16": {"hsdp": True, "bf16": True},
     "hsdp-level3": {"hsdp": True, "hsdp_level": "level3"},
 }
+# megatron's precision-aware path (--use-precision-aware-optimizer): its distributed optimizer keeps no fp32
+# main shards and hands the bf16 shards to its CPU-offload optimizer (OffloadedHybridOptimizer); compared
+# with the plain bf16 distributed optimizer's run (megatron's precision-aware optimizer needs TE otherwise)
+PRECISION_AWARE = {
+    "bf16-distopt-pa": {"bf16": True, "distributed_optimizer": True, "precision_aware": True},
+    "bf16-distopt-pa-half": {"bf16": True, "distributed_optimizer": True, "precision_aware": True, "fraction": 0.5},
+}
 
 
 def all_checks(rank: int, world_size: int, tmpdir: str) -> dict:
@@ -267,7 +281,11 @@ def all_checks(rank: int, world_size: int, tmpdir: str) -> dict:
     for name, run in RUNS.items():
         out["runs"][name] = {"reference": train(run), "offload": train({**run, "offload": True})}
     out["runs"]["half"] = {"offload": train({"offload": True, "fraction": 0.5})}
+    reference = out["runs"]["bf16-distopt"]["reference"]
+    for name, run in PRECISION_AWARE.items():
+        out["runs"][name] = {"reference": reference, "offload": train({**run, "offload": True})}
     for name in ("ddp", "distopt", "bf16", "hsdp"):
         out["resume"][name] = resume(RUNS[name], tmpdir)
+    out["resume"]["bf16-distopt-pa"] = resume(PRECISION_AWARE["bf16-distopt-pa"], tmpdir)
     out["weights_only"] = _plain_state_dict_round_trip()
     return out

@@ -18,6 +18,7 @@ from hyper_adaptor.testing import run_world
 pytestmark = pytest.mark.distributed
 
 RUNS = ["ddp", "distopt", "bf16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3"]
+PRECISION_AWARE = ["bf16-distopt-pa", "bf16-distopt-pa-half"]
 RESUMED = ["ddp", "distopt", "bf16", "hsdp"]
 
 
@@ -106,3 +107,46 @@ def test_save_and_resume_through_megatrons_checkpoint(results, name):
 def test_state_dict_is_torchs_format_and_loads_weights_only(results):
     # plain dicts of tensors (no hyper_adaptor class), so torch.load(weights_only=True) reads it
     assert results["weights_only"] == {"keys": ["exp_avg", "exp_avg_sq", "step"], "entries": 52}
+
+
+@pytest.mark.parametrize("name", PRECISION_AWARE)
+def test_precision_aware_path_equals_megatrons_bf16_distributed_optimizer_bitwise(results, name):
+    # --use-precision-aware-optimizer: megatron's own CPU-offload path, its optimizer class replaced; the
+    # reference is megatron's plain bf16 distributed optimizer (fp32 main shards, torch AdamW)
+    run = results["runs"][name]
+    assert run["offload"]["wrapper"] == run["reference"]["wrapper"] == "DistributedOptimizer"
+    assert run["offload"]["inner"] == "OffloadedHybridOptimizer"
+    assert _differences(run["reference"]["history"], run["offload"]["history"]) == []
+
+
+def test_precision_aware_path_keeps_no_fp32_main_copies_beside_the_parameters(results):
+    plain, aware = results["runs"]["bf16-distopt"]["offload"], results["runs"]["bf16-distopt-pa"]["offload"]
+    elements = aware["half_shard_elements"]
+    assert elements > 0 and plain["half_shard_elements"] == elements
+    # the plain path: megatron's fp32 main shards, 4 bytes per element of this rank's bf16 shards
+    assert plain["fp32_main_bytes"] == 4 * elements
+    # the precision-aware path: none; the fp32 masters are the engine's, on the host, with the state
+    assert aware["fp32_main_bytes"] == 0
+    assert aware["offloaded"] == aware["total"] > 0 and aware["device_master_elements"] == 0
+    assert aware["state_bytes"] == {"device": 0, "host": 16 * aware["total"]}
+    assert aware["host_state_devices"] == ["cpu"]
+    # what megatron's checkpoint code reads: every parameter's state with its fp32 master
+    assert aware["params_with_state"] == aware["params"]
+    assert aware["state_keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+
+
+def test_precision_aware_half_keeps_fp32_masters_of_the_device_share_on_the_device(results):
+    half = results["runs"]["bf16-distopt-pa-half"]["offload"]
+    total, offloaded, on_device = half["total"], half["offloaded"], half["device_master_elements"]
+    assert 0 < offloaded < total and 0 < on_device <= total - offloaded
+    # device tier: Adam's moments and the fp32 master (its gradient is megatron's fp32 buffer, not a copy)
+    assert half["state_bytes"]["device"] == 8 * (total - offloaded) + 4 * on_device
+    assert half["state_bytes"]["host"] == 16 * offloaded
+    assert half["fp32_main_bytes"] == 0
+
+
+def test_precision_aware_save_and_resume_through_megatrons_checkpoint(results):
+    resumed = results["resume"]["bf16-distopt-pa"]
+    reference = results["runs"]["bf16-distopt"]["reference"]["history"]
+    assert _differences(reference[-1:], resumed["history"]) == []
+    assert resumed["after_load"]["state_bytes"]["device"] == 0 and resumed["after_load"]["fp32_main_bytes"] == 0

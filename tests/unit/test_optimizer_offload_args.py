@@ -33,6 +33,26 @@ def test_megatrons_precision_aware_flag_given_along_is_switched_off_with_a_notic
     optimizer.validate(args)
 
 
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_precision_aware_flag_kept_where_megatrons_own_path_takes_it(precision):
+    # the distributed optimizer in half precision: megatron's precision-aware path (no fp32 main copies
+    # beside the parameters), served by the OffloadedHybridOptimizer patch
+    args = _args("--use-precision-aware-optimizer", "--use-distributed-optimizer", precision)
+    assert optimizer.adjust(args) == []
+    assert args.use_precision_aware_optimizer is True
+    optimizer.validate(args)
+
+
+@pytest.mark.parametrize("flags", [("--use-distributed-optimizer",),             # fp32: nothing to keep apart
+                                   ("--bf16",),                                   # megatron's path needs distopt
+                                   ("--bf16", "--use-distributed-optimizer", "--optimizer", "sgd")])
+def test_precision_aware_flag_switched_off_where_megatrons_path_cannot_take_it(flags):
+    args = _args("--use-precision-aware-optimizer", *flags)
+    notices = optimizer.adjust(args)
+    assert args.use_precision_aware_optimizer is False
+    assert len(notices) == 1 and notices[0].startswith("--use-precision-aware-optimizer: True -> False")
+
+
 def test_without_the_flag_nothing_changes():
     args = megatron_args("--use-precision-aware-optimizer")
     assert optimizer.adjust(args) == []
@@ -81,8 +101,13 @@ def test_through_the_adaptor_megatrons_command_line_passes_its_own_check():
 def test_the_seam_resolves_in_the_installed_megatron():
     manager = PatchManager()
     manager.register_all(optimizer_patches.patches(_args()))
-    assert [p.target for p in optimizer_patches.patches(_args())] == [optimizer_patches.FACTORY]
+    assert [p.target for p in optimizer_patches.patches(_args())] == [optimizer_patches.FACTORY, optimizer_patches.HYBRID]
     with manager.applied():
         import megatron.core.optimizer as mco
+        import megatron.core.optimizer.distrib_optimizer as distrib
 
         assert mco._get_megatron_optimizer_based_on_param_groups.__wrapped__ is not None
+        # the class megatron's factory builds and its distributed optimizer checks for, in both places
+        assert mco.HybridDeviceOptimizer is optimizer_patches.OffloadedHybridOptimizer
+        assert distrib.HybridDeviceOptimizer is optimizer_patches.OffloadedHybridOptimizer
+    assert mco.HybridDeviceOptimizer is not optimizer_patches.OffloadedHybridOptimizer

@@ -16,9 +16,17 @@ chunks, so this one seam serves ``--use-hsdp`` too), and only the torch optimize
 (``wrapper.optimizer``) is swapped for :class:`OffloadedTorchOptimizer`. Everything megatron does
 around the step — gradient unscaling, clipping, the fp32 main copies, the distributed optimizer's
 shard bookkeeping and all-gather, checkpoints — runs unchanged on the same parameters.
-Why not a replacement ``HybridDeviceOptimizer``: megatron reaches it only through the precision-aware
-paths of the distributed optimizer (bf16 shards, ``decoupled_grad``), so it could not serve
-``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or HSDP.
+Why not a replacement ``HybridDeviceOptimizer`` for every case: megatron reaches it only through the
+precision-aware paths of the distributed optimizer (bf16 shards, ``decoupled_grad``), so it could not
+serve ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or HSDP.
+
+Where megatron does reach it — ``--use-distributed-optimizer --use-precision-aware-optimizer`` with
+``--bf16`` / ``--fp16`` — it is replaced (the second patch), by :class:`OffloadedHybridOptimizer`, and the
+factory runs as megatron wrote it: the distributed optimizer then creates no fp32 main shards on the
+device (its optimizer holds the fp32 masters: ours keeps the offloaded share's on the host), hands the
+optimizer the half-precision parameter shards and their fp32 gradients as ``decoupled_grad``, and leaves
+copying the update back to the optimizer. So of the 4 bytes per element of fp32 main weights a
+half-precision run keeps beside its parameters, the offloaded share stays on the host only.
 
 :class:`OffloadedTorchOptimizer` is what megatron's wrappers see of a torch optimizer: the same
 ``param_groups`` (megatron's parameters: fp32 main copies or their shards, DTensor shards under
@@ -36,15 +44,20 @@ from collections.abc import MutableMapping
 
 import torch
 
-from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer
+from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer, run_closure
 from hyper_adaptor.notice import notice
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "memory"
 FACTORY = "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups"
+HYBRID = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer"
+
+
 def patches(args) -> list[Patch]:
-    """The one seam: megatron's optimizer factory (see the module docstring)."""
-    return [Patch(FACTORY, serve_optimizer_cpu_offload, "wrap", FEATURE)]
+    """The seams: megatron's optimizer factory, and its CPU-offload optimizer class where the factory
+    and the distributed optimizer name it (see the module docstring)."""
+    return [Patch(FACTORY, serve_optimizer_cpu_offload, "wrap", FEATURE),
+            Patch(HYBRID, OffloadedHybridOptimizer, "replace", FEATURE)]
 
 
 # -- the seam ------------------------------------------------------------------------------------------
@@ -61,6 +74,17 @@ def serve_optimizer_cpu_offload(original):
         if kwargs.get("skip_megatron_wrapping", False):
             raise ValueError("--optimizer-cpu-offload: skip_megatron_wrapping=True (layer-wise / emerging "
                              "optimizers) is not served")
+        if getattr(config, "use_precision_aware_optimizer", False):
+            # megatron's own path: its distributed optimizer over its CPU-offload optimizer class, which
+            # the second patch made OffloadedHybridOptimizer
+            optimizer = original(*args, **kwargs)
+            inner = getattr(optimizer, "optimizer", None)
+            if isinstance(inner, OffloadedHybridOptimizer):
+                notice(f"--optimizer-cpu-offload --use-precision-aware-optimizer: megatron's "
+                       f"{type(optimizer).__name__} steps through hyper_adaptor's OffloadOptimizer "
+                       f"({inner.defaults['offload_fraction']:.0%} of the elements with state and fp32 masters on "
+                       f"the host; no fp32 main copies beside the parameters)")
+            return optimizer
         plain = dataclasses.replace(config, optimizer_cpu_offload=False)
         if "config" in kwargs:
             kwargs["config"] = plain
@@ -91,6 +115,24 @@ def host_optimizer_class(inner: torch.optim.Optimizer, config) -> type:
     if config.optimizer == "sgd":
         return torch.optim.SGD
     return torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+
+
+_NOT_HYPERPARAMETERS = ("params", "offload")
+# HybridDeviceOptimizer's own arguments (in every group, as megatron's class puts them) and the apex / TE
+# style Adam arguments megatron's factory passes it: none of them is a torch optimizer's hyper-parameter
+_HYBRID_ONLY = ("offload_fraction", "cpu_optimizer_cls", "gpu_optimizer_cls", "param_update_in_fp32", "pin_cpu_grads",
+                "pin_cpu_params", "overlap_cpu_optimizer_d2h_h2d", "bias_correction", "fused")
+
+
+def _hyper(group: dict) -> dict:
+    """A megatron parameter group's hyper-parameters, for the engine's torch optimizers."""
+    return {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS and k not in _HYBRID_ONLY}
+
+
+def _hyperparameters_to(engine: OffloadOptimizer, groups: list) -> None:
+    """megatron's scheduler writes lr / weight_decay into its groups: into the engine's before a step."""
+    for group, engine_group in zip(groups, engine.param_groups):
+        engine_group.update(_hyper(group))
 
 
 def _source(param: torch.Tensor) -> torch.Tensor:
@@ -197,16 +239,12 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
         self.param_groups = inner.param_groups
         self.locals = {p: _alias(p) for group in self.param_groups for p in group["params"]}
         self.engine = OffloadOptimizer(
-            [{**self._hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
+            [{**_hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
             optimizer_class, offload_fraction=offload_fraction, pin_memory=pin_memory)
         carried = {p: dict(s) for p, s in inner.state.items() if s}
         self.state = _StateView(self)
         for param, state in carried.items():
             self.state[param] = state
-
-    @staticmethod
-    def _hyper(group: dict) -> dict:
-        return {k: v for k, v in group.items() if k not in ("params", "offload")}
 
     def offloaded_share(self) -> float:
         """The share of this optimizer's parameter elements whose state and master live on the host."""
@@ -219,12 +257,8 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, engine_group in zip(self.param_groups, self.engine.param_groups):
-            engine_group.update(self._hyper(group))  # megatron's scheduler writes lr / weight_decay here
+        loss = run_closure(closure)
+        _hyperparameters_to(self.engine, self.param_groups)
         for param, local in self.locals.items():
             if _source(param).data_ptr() != local.data_ptr():
                 raise RuntimeError(f"--optimizer-cpu-offload: a parameter of shape {tuple(param.shape)} was moved to "
@@ -263,3 +297,171 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in saved.items() if k != "params"})
             for param, index in zip(group["params"], saved["params"]):
                 self.state[param] = saved_state.get(index, {})
+
+
+# -- megatron's precision-aware path ---------------------------------------------------------------------
+class OffloadedHybridOptimizer(torch.optim.Optimizer):
+    """What megatron's distributed optimizer sees of its ``HybridDeviceOptimizer`` (the CUDA-stream
+    optimizer of ``--optimizer-cpu-offload``), stepped by ``OffloadOptimizer`` on any device.
+
+    Megatron's interface, as its distributed optimizer uses it: built with the factory's arguments (all
+    kept in ``defaults``: the distributed optimizer builds a second one from them over its shards);
+    parameters are the half-precision (or fp32) shards, gradients their fp32 ``decoupled_grad``;
+    ``step`` writes the updated shards; ``state[param]`` holds the optimizer state tensors and
+    ``"master_param"`` (the fp32 master) — megatron's checkpoint code reads them and writes them, then
+    calls ``_sync_hdo_state_to_sub_optimizers``; ``dummy_step`` creates state before a checkpoint is
+    loaded into it; ``update_fp32_param_by_new_param`` re-reads the masters from the parameters;
+    ``sub_optimizers`` are the torch optimizers (megatron reads their step count).
+
+    The engine is built at first use: megatron constructs this class once over the whole model and
+    throws it away when its distributed optimizer builds the one over its shards.
+    """
+
+    def __init__(self, params, offload_fraction=0.5, cpu_optimizer_cls=None, gpu_optimizer_cls=None,
+                 param_update_in_fp32: bool = False, pin_cpu_grads: bool = True, pin_cpu_params: bool = True,
+                 overlap_cpu_optimizer_d2h_h2d: bool = True, **kwargs):
+        defaults = dict(offload_fraction=offload_fraction, cpu_optimizer_cls=cpu_optimizer_cls,
+                        gpu_optimizer_cls=gpu_optimizer_cls, param_update_in_fp32=param_update_in_fp32,
+                        pin_cpu_grads=pin_cpu_grads, pin_cpu_params=pin_cpu_params,
+                        overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, **kwargs)
+        super().__init__(params, defaults)
+        self.engine: OffloadOptimizer | None = None
+
+    def _optimizer_class(self) -> type:
+        cls = self.defaults.get("cpu_optimizer_cls")
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim"):
+            return cls
+        return torch.optim.AdamW  # (megatron's factory passes torch's AdamW / SGD)
+
+    def _engine(self) -> OffloadOptimizer:
+        if self.engine is None:
+            pin = None if self.defaults.get("pin_cpu_params", True) else False
+            self.engine = OffloadOptimizer(
+                [{**_hyper(group), "params": list(group["params"])} for group in self.param_groups],
+                self._optimizer_class(), offload_fraction=self.defaults["offload_fraction"], pin_memory=pin,
+                grad_attr="decoupled_grad", device_masters=True)
+        return self.engine
+
+    # -- what megatron calls -------------------------------------------------------------------------
+    @property
+    def sub_optimizers(self) -> list:
+        engine = self._engine()
+        return [o for o in (engine.host_optimizer, engine.device_optimizer) if o is not None]
+
+    def offloaded_share(self) -> float:
+        engine = self._engine()
+        total = sum(p.numel() for group in self.param_groups for p in group["params"])
+        return sum(m.numel() for m in engine.masters.values()) / total if total else 0.0
+
+    def state_bytes(self) -> dict:
+        return self._engine().state_bytes()
+
+    def _master(self, param: torch.Tensor) -> torch.Tensor:
+        engine = self._engine()
+        return engine.masters.get(param, engine.device_masters.get(param, param))
+
+    def _tier(self, param: torch.Tensor):
+        engine = self._engine()
+        master = engine.masters.get(param)
+        if master is not None:
+            return engine.host_optimizer, master
+        return engine.device_optimizer, engine.device_masters.get(param, param)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = run_closure(closure)
+        engine = self._engine()
+        _hyperparameters_to(engine, self.param_groups)
+        # State megatron replaced since the last step (a checkpoint's tensors set into ``state`` by a
+        # path that does not call _sync_hdo_state_to_sub_optimizers, e.g. its dp_reshardable load; an
+        # in-place load writes the engine's own tensors) goes into the engine first.
+        self._sync_hdo_state_to_sub_optimizers()
+        engine.step()
+        self._sync_sub_optimizers_state_to_hdo()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                grad = getattr(p, "decoupled_grad", None)
+                if grad is not None:
+                    if set_to_none:
+                        p.decoupled_grad = None
+                    else:
+                        grad.zero_()
+        if self.engine is not None:
+            self.engine.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def dummy_step(self) -> None:
+        """State for every parameter as before a first step (zeros, step 0) and nothing else changed: a
+        step at learning rate 0 with zero gradients creates it, then it is zeroed. Megatron calls this
+        before loading a checkpoint into an optimizer that has not stepped."""
+        for optimizer in self.sub_optimizers:
+            if any(optimizer.state.values()):
+                continue
+            lrs = [group["lr"] for group in optimizer.param_groups]
+            for group in optimizer.param_groups:
+                group["lr"] = 0.0
+                for q in group["params"]:
+                    q.grad = torch.zeros_like(q)
+            optimizer.step()
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+                for q in group["params"]:
+                    q.grad = None
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+        self._sync_sub_optimizers_state_to_hdo()
+
+    def update_fp32_param_by_new_param(self) -> None:
+        """The masters take the parameters' values (megatron's ``reload_model_params``)."""
+        self._engine().refresh_masters()
+
+    def _sync_sub_optimizers_state_to_hdo(self) -> None:
+        """``state[param]``: the engine's state tensors themselves (not copies) and the fp32 master."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                optimizer, key = self._tier(p)
+                inner = optimizer.state.get(key) if optimizer is not None else None
+                if inner:
+                    self.state[p] = {**inner, "master_param": self._master(p)}
+
+    def _sync_hdo_state_to_sub_optimizers(self) -> None:
+        """What megatron wrote into ``state[param]`` (a checkpoint's tensors) goes into the engine's
+        tensors, on their tier; then ``state`` shows the engine's tensors again."""
+        for p, values in list(self.state.items()):
+            optimizer, key = self._tier(p)
+            inner = optimizer.state.setdefault(key, {})
+            for k, v in values.items():
+                if k == "master_param":
+                    target = self._master(p)
+                    if v is not target:
+                        target.copy_(v)
+                elif isinstance(v, torch.Tensor):
+                    current = inner.get(k)
+                    if isinstance(current, torch.Tensor) and current.shape == v.shape:
+                        if v is not current:
+                            current.copy_(v)
+                    else:
+                        inner[k] = v.detach().to(key.device if k != "step" else v.device, copy=True)
+                else:
+                    inner[k] = v
+        self._sync_sub_optimizers_state_to_hdo()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's format, matched to the parameters by order (as torch does); tensors go into the engine
+        on their tier (fp32, host for the offloaded share) rather than cast to the parameter's dtype."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(saved["params"]) != len(group["params"]) for group, saved in zip(self.param_groups, saved_groups)):
+            raise ValueError("--optimizer-cpu-offload: the optimizer state was saved for other parameter groups")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for param, index in zip(group["params"], saved["params"]):
+                if index in state_dict["state"]:
+                    self.state[param] = dict(state_dict["state"][index])
+        self._sync_hdo_state_to_sub_optimizers()
