@@ -67,6 +67,9 @@ RUNS = {
     "swap_bf16": (True, ["--optimization-level", "2", "--bf16", "--swap-attention"]),
     "level2_bf16_distopt": (True, ["--optimization-level", "2", "--bf16", *DISTOPT]),
     "offload_bf16": (True, ["--optimization-level", "2", "--bf16", *DISTOPT, *OFFLOAD]),
+    # megatron's precision-aware path: no fp32 main shards on the device (OffloadedHybridOptimizer)
+    "offload_bf16_precision_aware": (True, ["--optimization-level", "2", "--bf16", *DISTOPT, *OFFLOAD,
+                                            "--use-precision-aware-optimizer"]),
 }
 
 
@@ -140,6 +143,7 @@ def close(a, b, rtol):
     # bf16: the host's fp32 Adam rounds a master weight differently from CUDA's in the last bit now and
     # then, and the bf16 copy of that weight then differs by one bf16 step: 2.2e-5 relative at step 5
     ("offload_bf16", "level2_bf16_distopt", 1e-4),
+    ("offload_bf16_precision_aware", "level2_bf16_distopt", 1e-4),
 ])
 def test_parity_on_one_gpu(runs, run, reference, rtol):
     got, want = ok(runs, run), ok(runs, reference)
@@ -154,3 +158,11 @@ def test_swap_attention_lowers_the_peak(runs):
         got, want = ok(runs, run), ok(runs, reference)
         assert got["max_allocated_mb"] < want["max_allocated_mb"], (run, got["max_allocated_mb"],
                                                                     want["max_allocated_mb"])
+
+
+def test_precision_aware_offload_keeps_fp32_main_copies_off_the_device(runs):
+    # the same run without --use-precision-aware-optimizer keeps megatron's fp32 main shards (4 bytes per
+    # element) on the device; with it they do not exist (the fp32 masters are on the host)
+    got, want = ok(runs, "offload_bf16_precision_aware"), ok(runs, "offload_bf16")
+    assert got["max_allocated_mb"] < want["max_allocated_mb"], (got["max_allocated_mb"], want["max_allocated_mb"])
+    assert "no fp32 main copies beside the parameters" in got["output"]
