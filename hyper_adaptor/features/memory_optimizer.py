@@ -32,6 +32,11 @@ def adjust(args) -> list[str]:
         notices.append(switch(args, "use_precision_aware_optimizer", False,
                               "--optimizer-cpu-offload is served by hyper_adaptor's host optimizer, which keeps "
                               "fp32 master weights and moments itself"))
+    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
+    if half and not getattr(args, "use_precision_aware_optimizer", False) and not getattr(args, "use_hsdp", False):
+        notices.append("--optimizer-cpu-offload with --bf16 / --fp16: megatron's fp32 main copies of the parameters "
+                       "stay on the device (4 bytes per element); --use-distributed-optimizer "
+                       "--use-precision-aware-optimizer keeps them on the host only (megatron's own offload path)")
     return notices
 
 

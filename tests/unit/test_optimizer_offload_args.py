@@ -50,7 +50,20 @@ def test_precision_aware_flag_switched_off_where_megatrons_path_cannot_take_it(f
     args = _args("--use-precision-aware-optimizer", *flags)
     notices = optimizer.adjust(args)
     assert args.use_precision_aware_optimizer is False
-    assert len(notices) == 1 and notices[0].startswith("--use-precision-aware-optimizer: True -> False")
+    assert notices[0].startswith("--use-precision-aware-optimizer: True -> False")
+    # in half precision the user also hears where megatron's fp32 main copies stay, and how to avoid that
+    assert len(notices) == (2 if "--bf16" in flags else 1)
+    if "--bf16" in flags:
+        assert "fp32 main copies of the parameters stay on the device" in notices[1]
+
+
+@pytest.mark.parametrize("flags,told", [(("--bf16",), True), (("--bf16", "--use-distributed-optimizer"), True),
+                                        (("--use-distributed-optimizer",), False)])
+def test_half_precision_offload_without_megatrons_path_says_where_the_fp32_main_copies_stay(flags, told):
+    notices = optimizer.adjust(_args(*flags))
+    assert notices == ([] if not told else [notices[0]])
+    if told:
+        assert "--use-distributed-optimizer --use-precision-aware-optimizer keeps them on the host" in notices[0]
 
 
 def test_without_the_flag_nothing_changes():
