@@ -5,8 +5,10 @@
 gpt_parity's tiny GPT, 3 Adam steps at DP2, with megatron's own optimizer and with the offload seam:
 megatron's DDP with FP32Optimizer, the distributed optimizer, bf16 (Float16OptimizerWithFloat16Params),
 bf16 with the distributed optimizer, and HSDP (level 2 fp32 and bf16, level 3 fp32: megatron's
-optimizer over DTensor shards). Tolerance: none — losses and every parameter after every step bitwise equal (the offloaded
-step is torch's AdamW on an fp32 copy of the same fp32 tensor). The optimizer state is counted by
+optimizer over DTensor shards); and megatron's precision-aware path (bf16 + distributed optimizer +
+--use-precision-aware-optimizer, OffloadedHybridOptimizer) against the plain bf16 distributed optimizer.
+Tolerance: none — losses and every parameter after every step bitwise equal (the offloaded step is
+torch's AdamW on an fp32 copy of the same fp32 tensor). The optimizer state is counted by
 the engine's own accounting (``state_bytes``): on this CPU machine host and device are the same
 memory, so what is checked is which tier the engine keeps each tensor on.
 """

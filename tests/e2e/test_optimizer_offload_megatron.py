@@ -24,7 +24,7 @@ LAYOUTS = {
     "bf16-distopt-precision-aware": (
         ["--use-distributed-optimizer", "--bf16"], ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"],
         "--optimizer-cpu-offload --use-precision-aware-optimizer: megatron's DistributedOptimizer steps through "
-        "hyper_adaptor's OffloadOptimizer (100% of the elements with state and fp32 masters on the host; no fp32 "
+        "hyper_adaptor's OffloadOptimizer (100% of rank 0's elements with state and fp32 masters on the host; no fp32 "
         "main copies beside the parameters)"),
 }
 

@@ -114,7 +114,8 @@ def test_through_the_adaptor_megatrons_command_line_passes_its_own_check():
 def test_the_seam_resolves_in_the_installed_megatron():
     manager = PatchManager()
     manager.register_all(optimizer_patches.patches(_args()))
-    assert [p.target for p in optimizer_patches.patches(_args())] == [optimizer_patches.FACTORY, optimizer_patches.HYBRID]
+    targets = [p.target for p in optimizer_patches.patches(_args())]
+    assert targets == [optimizer_patches.FACTORY, optimizer_patches.HYBRID]
     with manager.applied():
         import megatron.core.optimizer as mco
         import megatron.core.optimizer.distrib_optimizer as distrib

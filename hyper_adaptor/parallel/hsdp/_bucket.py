@@ -15,7 +15,8 @@ time (:class:`_GatherQueue`: the next run starts when the previous one has been 
 reduction (``_state._launch_ready``; ``comm_async`` lifts that). So what a step adds to the model state
 for communication is about two buckets (a gather's receive buffer, a reduction's send buffer and its
 receive of S-1 chunks on gloo) — about three at level 3 in backward, where the next unit's gather
-prefetch and the previous unit's reduction overlap — whatever the model size; the pool (_pool.py) then never holds a block larger than a bucket either.
+prefetch and the previous unit's reduction overlap — whatever the model size; the pool (_pool.py) then
+never holds a block larger than a bucket either.
 """
 
 from __future__ import annotations

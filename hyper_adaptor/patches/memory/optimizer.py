@@ -82,7 +82,7 @@ def serve_optimizer_cpu_offload(original):
             if isinstance(inner, OffloadedHybridOptimizer):
                 notice(f"--optimizer-cpu-offload --use-precision-aware-optimizer: megatron's "
                        f"{type(optimizer).__name__} steps through hyper_adaptor's OffloadOptimizer "
-                       f"({inner.defaults['offload_fraction']:.0%} of the elements with state and fp32 masters on "
+                       f"({inner.offloaded_share():.0%} of rank 0's elements with state and fp32 masters on "
                        f"the host; no fp32 main copies beside the parameters)")
             return optimizer
         plain = dataclasses.replace(config, optimizer_cpu_offload=False)
@@ -329,7 +329,8 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
 
     def _optimizer_class(self) -> type:
         cls = self.defaults.get("cpu_optimizer_cls")
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls.__module__.startswith("torch.optim"):
+        if (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                and cls.__module__.startswith("torch.optim")):
             return cls
         return torch.optim.AdamW  # (megatron's factory passes torch's AdamW / SGD)
 
