@@ -61,18 +61,19 @@ def _build(run: dict):
     from megatron.core.transformer import TransformerConfig
 
     bf16, dist_opt = run.get("bf16", False), run.get("distributed_optimizer", False)
+    fp16 = run.get("fp16", False)
     ps.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(gp.Layout.seed)
     torch.manual_seed(gp.Layout.seed)
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     config = TransformerConfig(
         num_layers=gp.LAYERS, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16,
+        attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16, fp16=fp16,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=gp.VOCAB,
                      max_sequence_length=gp.SEQ, share_embeddings_and_output_weights=True)
-    if bf16:
+    if bf16 or fp16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(config, model)
@@ -86,7 +87,8 @@ def _build(run: dict):
     else:
         chunk = DistributedDataParallel(config, ddp_config, model)
     opt_config = OptimizerConfig(
-        optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
+        optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0, bf16=bf16, fp16=fp16, params_dtype=dtype,
+        loss_scale=128.0 if fp16 else None,  # static: megatron's unscaling of the (decoupled) gradients runs
         use_distributed_optimizer=dist_opt, optimizer_cpu_offload=run.get("offload", False),
         optimizer_offload_fraction=run.get("fraction", 1.0),
         use_precision_aware_optimizer=run.get("precision_aware", False))
@@ -272,6 +274,7 @@ RUNS = {
 PRECISION_AWARE = {
     "bf16-distopt-pa": {"bf16": True, "distributed_optimizer": True, "precision_aware": True},
     "bf16-distopt-pa-half": {"bf16": True, "distributed_optimizer": True, "precision_aware": True, "fraction": 0.5},
+    "fp16-distopt-pa": {"fp16": True, "distributed_optimizer": True, "precision_aware": True},
 }
 
 
@@ -281,9 +284,11 @@ def all_checks(rank: int, world_size: int, tmpdir: str) -> dict:
     for name, run in RUNS.items():
         out["runs"][name] = {"reference": train(run), "offload": train({**run, "offload": True})}
     out["runs"]["half"] = {"offload": train({"offload": True, "fraction": 0.5})}
-    reference = out["runs"]["bf16-distopt"]["reference"]
+    references = {"bf16": out["runs"]["bf16-distopt"]["reference"],
+                  "fp16": train({"fp16": True, "distributed_optimizer": True})}
     for name, run in PRECISION_AWARE.items():
-        out["runs"][name] = {"reference": reference, "offload": train({**run, "offload": True})}
+        out["runs"][name] = {"reference": references["fp16" if run.get("fp16") else "bf16"],
+                             "offload": train({**run, "offload": True})}
     for name in ("ddp", "distopt", "bf16", "hsdp"):
         out["resume"][name] = resume(RUNS[name], tmpdir)
     out["resume"]["bf16-distopt-pa"] = resume(PRECISION_AWARE["bf16-distopt-pa"], tmpdir)

@@ -20,7 +20,7 @@ from hyper_adaptor.testing import run_world
 pytestmark = pytest.mark.distributed
 
 RUNS = ["ddp", "distopt", "bf16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3"]
-PRECISION_AWARE = ["bf16-distopt-pa", "bf16-distopt-pa-half"]
+PRECISION_AWARE = ["bf16-distopt-pa", "bf16-distopt-pa-half", "fp16-distopt-pa"]
 RESUMED = ["ddp", "distopt", "bf16", "hsdp"]
 
 
@@ -114,7 +114,8 @@ def test_state_dict_is_torchs_format_and_loads_weights_only(results):
 @pytest.mark.parametrize("name", PRECISION_AWARE)
 def test_precision_aware_path_equals_megatrons_bf16_distributed_optimizer_bitwise(results, name):
     # --use-precision-aware-optimizer: megatron's own CPU-offload path, its optimizer class replaced; the
-    # reference is megatron's plain bf16 distributed optimizer (fp32 main shards, torch AdamW)
+    # reference is megatron's plain bf16 / fp16 distributed optimizer (fp32 main shards, torch AdamW; fp16
+    # with a static loss scale, so megatron unscales the decoupled gradients before the step)
     run = results["runs"][name]
     assert run["offload"]["wrapper"] == run["reference"]["wrapper"] == "DistributedOptimizer"
     assert run["offload"]["inner"] == "OffloadedHybridOptimizer"
