@@ -150,45 +150,73 @@ def need_npu_tensor(*tensors) -> str | None:
     return None
 
 
-class Compiled:
+class TriedUntilFailed:
+    """A faster kernel ``fn`` tried before ``fallback`` (same arguments, same result contract) until it
+    first fails for a reason of its own — ``fails_itself(exc)``: a compiler that cannot run, a kernel the
+    device or library lacks. That call and every later one then run ``fallback``, with one notice
+    naming ``fallback_name``; ``failed`` says why (None while ``fn`` is tried), ``calls`` counts the
+    calls ``fn`` served.
+
+    Any other error (out of memory, a bad shape) is the call's own and propagates, and the next call
+    tries ``fn`` again. A failure that looks like the kernel's may still be the call's (dynamo, for one,
+    reports a shape bug of the caller as a compiler error): the fallback is run on the same arguments
+    before giving up on ``fn``, and if it raises too, its error — the caller's — propagates and ``fn``
+    stays in use. One mechanism for every such path (the compiled references, wgrad_accum's half GEMM)."""
+
+    def __init__(self, op: str, name: str, fn: Callable, fallback: Callable, fallback_name: str,
+                 fails_itself: Callable[[BaseException], bool]):
+        self.op, self.name, self.fn = op, name, fn
+        self.fallback, self.fallback_name = fallback, fallback_name
+        self.fails_itself = fails_itself
+        self.failed: str | None = None
+        self.calls = 0
+
+    def reason(self, exc: BaseException) -> str:
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+    def __call__(self, *args):
+        if self.failed:
+            return self.fallback(*args)
+        try:
+            result = self.fn(*args)
+        except Exception as exc:
+            if not self.fails_itself(exc):
+                raise
+            result = self.fallback(*args)
+            self.failed = self.reason(exc)
+            notice(self.op, self.name, self.failed, self.fallback_name)
+            return result
+        self.calls += 1
+        return result
+
+
+class Compiled(TriedUntilFailed):
     """``fn`` under ``torch.compile``, compiled at its first call — the fast backends of rms_norm,
     swiglu and rope. Compilation can only fail when it runs (no C++ compiler, no Triton): that call and
     every later one then run ``fallback`` (``fn`` itself unless given), with one notice naming
     ``fallback_name``. ``failed`` tells callers that pick a whole other path once compilation is out.
-
-    Only a failure of the compiler falls back: any other error (out of memory, a bad shape) is the
-    call's own and propagates, and the next call tries the compiled function again."""
+    Only a failure of the compiler falls back (:func:`raised_by_compiler`)."""
 
     def __init__(self, op: str, fn: Callable, fallback: Callable | None = None,
                  fallback_name: str = "the uncompiled function"):
-        self.op, self.fn = op, fn
-        self.fallback = fallback or fn
-        self.fallback_name = fallback_name
-        self.failed = False
+        super().__init__(op, "fast (compiled)", self._run_compiled, fallback or fn, fallback_name,
+                         raised_by_compiler)
+        self.source = fn
         self._compiled = None
 
     def compiled(self) -> Callable:
         if self._compiled is None:
             import torch
 
-            self._compiled = torch.compile(self.fn)
+            self._compiled = torch.compile(self.source)
         return self._compiled
 
-    def __call__(self, *args):
-        if self.failed:
-            return self.fallback(*args)
-        try:
-            return self.compiled()(*args)
-        except Exception as exc:
-            if not raised_by_compiler(exc):
-                raise
-            # dynamo traces the caller's arguments, so a shape or dtype bug of the call itself also
-            # surfaces as a compiler error: the fallback raising on the same arguments tells them
-            # apart, and its error (the caller's) propagates without giving up on compilation
-            result = self.fallback(*args)
-            self.failed = True
-            notice(self.op, "fast (compiled)", f"torch.compile failed: {type(exc).__name__}", self.fallback_name)
-            return result
+    def _run_compiled(self, *args):
+        return self.compiled()(*args)
+
+    def reason(self, exc: BaseException) -> str:
+        return f"torch.compile failed: {type(exc).__name__}"
 
 
 _COMPILER_MODULES = ("torch._dynamo.exc", "torch._inductor.exc")

@@ -49,7 +49,7 @@ import types
 
 import torch
 
-from hyper_adaptor.ops.backend import Impl, Op, need_npu_tensor, notice, npu_module
+from hyper_adaptor.ops.backend import Impl, Op, TriedUntilFailed, need_npu_tensor, npu_module
 
 __all__ = ["wgrad_accum", "WGRAD_ACCUM", "KERNELS", "OUT_DTYPE_MM"]
 
@@ -62,13 +62,6 @@ def _has_mm_out_dtype() -> bool:
         return "out_dtype" in str(torch.ops.aten.mm.dtype._schema)
     except (AttributeError, RuntimeError):
         return False
-
-
-# The fast backend's half-GEMM-into-fp32 path (see the module docstring). ``available``: detected once;
-# ``devices``: where it is tried (device types with an ``aten::mm.dtype`` kernel); ``failed``: why it
-# stopped being tried (None while it is); ``calls``: calls it served.
-OUT_DTYPE_MM = types.SimpleNamespace(available=_has_mm_out_dtype(), devices=frozenset({"cuda"}),
-                                     failed=None, calls=0)
 
 
 def _flat(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor):
@@ -99,6 +92,13 @@ def _eager(total_input, grad_output, main_grad):
     return main_grad
 
 
+def _op_failed(exc: BaseException) -> bool:
+    """An error of ``aten::mm.dtype`` itself (missing kernel, a dtype cuBLAS refuses); out of memory is
+    the call's own."""
+    return isinstance(exc, (RuntimeError, NotImplementedError, TypeError)) and not isinstance(
+        exc, torch.OutOfMemoryError)
+
+
 def _use_out_dtype_mm(x: torch.Tensor, g: torch.Tensor, main_grad: torch.Tensor) -> bool:
     """Whether the fast backend computes this call with ``torch.mm(..., out_dtype=float32)``: half
     inputs (the same dtype) into an fp32 ``main_grad``, all on a device in ``OUT_DTYPE_MM.devices``,
@@ -113,21 +113,12 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b, out_dtype=torch.float32)
 
 
-def _fast(total_input, grad_output, main_grad):
-    x, g = _flat(total_input, grad_output, main_grad)
-    if _use_out_dtype_mm(x, g, main_grad):
-        try:
-            product = _mm_fp32(g.t(), x)
-        except torch.OutOfMemoryError:
-            raise  # the call's own error, not the op's: the next call tries again
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
-            OUT_DTYPE_MM.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            notice("wgrad_accum", "fast (torch.mm out_dtype=float32)",
-                   f"it failed, {OUT_DTYPE_MM.failed}", "the fp32 upcast GEMM from now on")
-        else:
-            main_grad.add_(product)
-            OUT_DTYPE_MM.calls += 1
-            return main_grad
+def _half_gemm(x, g, main_grad):
+    main_grad.add_(_mm_fp32(g.t(), x))
+    return main_grad
+
+
+def _upcast(x, g, main_grad):
     acc = _acc_dtype(main_grad)
     gt = g.t() if g.dtype == acc else g.t().to(acc)
     x = x if x.dtype == acc else x.to(acc)
@@ -136,6 +127,26 @@ def _fast(total_input, grad_output, main_grad):
     else:
         main_grad.copy_(torch.addmm(main_grad.to(acc), gt, x))
     return main_grad
+
+
+class _OutDtypeMM(TriedUntilFailed):
+    """The fast backend's half-GEMM-into-fp32 path (see the module docstring). ``available``: this torch
+    has the op (detected once); ``devices``: where it is tried (device types with an ``aten::mm.dtype``
+    kernel); ``failed`` / ``calls``: :class:`~hyper_adaptor.ops.backend.TriedUntilFailed`'s."""
+
+    available = _has_mm_out_dtype()
+    devices = frozenset({"cuda"})
+
+
+OUT_DTYPE_MM = _OutDtypeMM("wgrad_accum", "fast (torch.mm out_dtype=float32)", _half_gemm, _upcast,
+                           "the fp32 upcast GEMM from now on", _op_failed)
+
+
+def _fast(total_input, grad_output, main_grad):
+    x, g = _flat(total_input, grad_output, main_grad)
+    if _use_out_dtype_mm(x, g, main_grad):
+        return OUT_DTYPE_MM(x, g, main_grad)
+    return _upcast(x, g, main_grad)
 
 
 def _npu_supports(total_input, grad_output, main_grad):
