@@ -169,6 +169,11 @@ class OffloadOptimizer(torch.optim.Optimizer):
     def offloaded_params(self) -> list[torch.Tensor]:
         return list(self.masters)
 
+    def offloaded_share(self) -> float:
+        """The share of the parameter elements whose state and master live on the host."""
+        total = sum(p.numel() for group in self.param_groups for p in group["params"])
+        return sum(p.numel() for p in self.masters) / total if total else 0.0
+
     def _sync_hyperparameters(self) -> None:
         for group, d, h in self._group_links:
             hyper = {k: v for k, v in group.items() if k not in ("params", "offload")}

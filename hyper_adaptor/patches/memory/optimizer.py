@@ -248,8 +248,7 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
 
     def offloaded_share(self) -> float:
         """The share of this optimizer's parameter elements whose state and master live on the host."""
-        total = sum(local.numel() for local in self.locals.values())
-        return sum(m.numel() for m in self.engine.masters.values()) / total if total else 0.0
+        return self.engine.offloaded_share()
 
     def state_bytes(self) -> dict:
         """The engine's accounting: bytes of optimizer state on the ``device`` and the ``host`` tier."""
@@ -288,15 +287,22 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's format, matched to the live parameters by order (as torch does); state tensors are
         placed on their parameter's tier (host for offloaded ones), never staged on the device."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(saved["params"]) != len(group["params"]) for group, saved in zip(self.param_groups, saved_groups)):
-            raise ValueError("--optimizer-cpu-offload: the optimizer state was saved for other parameter groups")
-        saved_state = state_dict["state"]
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            for param, index in zip(group["params"], saved["params"]):
-                self.state[param] = saved_state.get(index, {})
+        for param, saved in _saved_state_by_param(self.param_groups, state_dict):
+            self.state[param] = saved or {}
+
+
+def _saved_state_by_param(param_groups: list, state_dict: dict) -> list:
+    """A torch-format ``state_dict`` matched to the live parameters by order, as torch matches it:
+    (parameter, its saved state or None) pairs; each group takes its saved settings (lr, ...)."""
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(param_groups) or any(
+            len(saved["params"]) != len(group["params"]) for group, saved in zip(param_groups, saved_groups)):
+        raise ValueError("--optimizer-cpu-offload: the optimizer state was saved for other parameter groups")
+    pairs = []
+    for group, saved in zip(param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+        pairs += [(param, state_dict["state"].get(index)) for param, index in zip(group["params"], saved["params"])]
+    return pairs
 
 
 # -- megatron's precision-aware path ---------------------------------------------------------------------
@@ -308,8 +314,9 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
     kept in ``defaults``: the distributed optimizer builds a second one from them over its shards);
     parameters are the half-precision (or fp32) shards, gradients their fp32 ``decoupled_grad``;
     ``step`` writes the updated shards; ``state[param]`` holds the optimizer state tensors and
-    ``"master_param"`` (the fp32 master) — megatron's checkpoint code reads them and writes them, then
-    calls ``_sync_hdo_state_to_sub_optimizers``; ``dummy_step`` creates state before a checkpoint is
+    ``"master_param"`` (the fp32 master) — megatron's checkpoint code reads them and writes them (into
+    the engine's tensors: :class:`_WriteThrough`), and calls ``_sync_hdo_state_to_sub_optimizers`` on
+    some load paths; ``dummy_step`` creates state before a checkpoint is
     loaded into it; ``update_fp32_param_by_new_param`` re-reads the masters from the parameters;
     ``sub_optimizers`` are the torch optimizers (megatron reads their step count).
 
@@ -326,6 +333,7 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
                         overlap_cpu_optimizer_d2h_h2d=overlap_cpu_optimizer_d2h_h2d, **kwargs)
         super().__init__(params, defaults)
         self.engine: OffloadOptimizer | None = None
+        self._state_shown = False  # ``state`` holds every parameter's engine state (after a first step)
 
     def _optimizer_class(self) -> type:
         cls = self.defaults.get("cpu_optimizer_cls")
@@ -350,9 +358,7 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
         return [o for o in (engine.host_optimizer, engine.device_optimizer) if o is not None]
 
     def offloaded_share(self) -> float:
-        engine = self._engine()
-        total = sum(p.numel() for group in self.param_groups for p in group["params"])
-        return sum(m.numel() for m in engine.masters.values()) / total if total else 0.0
+        return self._engine().offloaded_share()
 
     def state_bytes(self) -> dict:
         return self._engine().state_bytes()
@@ -373,12 +379,9 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
         loss = run_closure(closure)
         engine = self._engine()
         _hyperparameters_to(engine, self.param_groups)
-        # State megatron replaced since the last step (a checkpoint's tensors set into ``state`` by a
-        # path that does not call _sync_hdo_state_to_sub_optimizers, e.g. its dp_reshardable load; an
-        # in-place load writes the engine's own tensors) goes into the engine first.
-        self._sync_hdo_state_to_sub_optimizers()
         engine.step()
-        self._sync_sub_optimizers_state_to_hdo()
+        if not self._state_shown:  # torch's optimizers update their state tensors in place from now on
+            self._sync_sub_optimizers_state_to_hdo()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -423,46 +426,65 @@ class OffloadedHybridOptimizer(torch.optim.Optimizer):
         self._engine().refresh_masters()
 
     def _sync_sub_optimizers_state_to_hdo(self) -> None:
-        """``state[param]``: the engine's state tensors themselves (not copies) and the fp32 master."""
+        """``state[param]``: the engine's state tensors themselves (not copies) and the fp32 master, in a
+        dict that writes what megatron sets into them (:class:`_WriteThrough`)."""
+        shown = True
         for group in self.param_groups:
             for p in group["params"]:
                 optimizer, key = self._tier(p)
-                inner = optimizer.state.get(key) if optimizer is not None else None
+                inner = optimizer.state.get(key)
                 if inner:
-                    self.state[p] = {**inner, "master_param": self._master(p)}
+                    self.state[p] = _WriteThrough(self, p, {**inner, "master_param": self._master(p)})
+                else:
+                    shown = False
+        self._state_shown = shown
 
     def _sync_hdo_state_to_sub_optimizers(self) -> None:
-        """What megatron wrote into ``state[param]`` (a checkpoint's tensors) goes into the engine's
-        tensors, on their tier; then ``state`` shows the engine's tensors again."""
+        """Entries megatron put into ``state`` as whole dicts go into the engine's tensors (single
+        tensors set into an entry already did, on the way in); then ``state`` shows the engine's."""
         for p, values in list(self.state.items()):
-            optimizer, key = self._tier(p)
-            inner = optimizer.state.setdefault(key, {})
-            for k, v in values.items():
-                if k == "master_param":
-                    target = self._master(p)
-                    if v is not target:
-                        target.copy_(v)
-                elif isinstance(v, torch.Tensor):
-                    current = inner.get(k)
-                    if isinstance(current, torch.Tensor) and current.shape == v.shape:
-                        if v is not current:
-                            current.copy_(v)
-                    else:
-                        inner[k] = v.detach().to(key.device if k != "step" else v.device, copy=True)
-                else:
-                    inner[k] = v
+            for k, v in list(values.items()):
+                self._write(p, k, v)
         self._sync_sub_optimizers_state_to_hdo()
+
+    def _write(self, p: torch.Tensor, k: str, v):
+        """Put ``v`` as state ``k`` of ``p`` into the engine (copied into the engine's tensor of that
+        name, on its tier, where there is one); returns what the entry now holds."""
+        if k == "master_param":
+            target = self._master(p)
+            if v is not target:
+                target.copy_(v)
+            return target
+        optimizer, key = self._tier(p)
+        inner = optimizer.state.setdefault(key, {})
+        current = inner.get(k)
+        if not isinstance(v, torch.Tensor):
+            inner[k] = v
+        elif isinstance(current, torch.Tensor) and current.shape == v.shape:
+            if v is not current:
+                current.copy_(v)
+        else:
+            inner[k] = v.detach().to(key.device if k != "step" else v.device, copy=True)
+        return inner[k]
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's format, matched to the parameters by order (as torch does); tensors go into the engine
         on their tier (fp32, host for the offloaded share) rather than cast to the parameter's dtype."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(saved["params"]) != len(group["params"]) for group, saved in zip(self.param_groups, saved_groups)):
-            raise ValueError("--optimizer-cpu-offload: the optimizer state was saved for other parameter groups")
-        for group, saved in zip(self.param_groups, saved_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            for param, index in zip(group["params"], saved["params"]):
-                if index in state_dict["state"]:
-                    self.state[param] = dict(state_dict["state"][index])
+        for param, saved in _saved_state_by_param(self.param_groups, state_dict):
+            if saved is not None:
+                self.state[param] = dict(saved)
         self._sync_hdo_state_to_sub_optimizers()
+
+
+class _WriteThrough(dict):
+    """``OffloadedHybridOptimizer.state[param]``: the engine's own tensors. A tensor megatron sets into it
+    (a checkpoint's, by its distributed optimizer's load paths, some of which never call
+    ``_sync_hdo_state_to_sub_optimizers``) is copied into the engine's tensor, which stays the entry —
+    so nothing has to be compared or synced at each step."""
+
+    def __init__(self, owner: OffloadedHybridOptimizer, param: torch.Tensor, entries: dict):
+        super().__init__(entries)
+        self.owner, self.param = owner, param
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, self.owner._write(self.param, key, value))
