@@ -62,11 +62,11 @@ class _PairwiseWork:
             then()
 
 
-def _exchange(sends, recvs, group, tag: int, async_op: bool, then):
-    """Send ``sends[j]`` to member j of ``group`` and receive ``recvs[j]`` from it, for every member
-    j but this rank, all posted at once (member ``me + k`` is sent to while ``me - k`` is received
-    from, so every pair has its messages in flight together); ``then`` runs after the transfer."""
-    me, S = dist.get_rank(group), dist.get_world_size(group)
+def _exchange(sends, recvs, group, me: int, S: int, tag: int, async_op: bool, then):
+    """Send ``sends[j]`` to member j of ``group`` (``S`` members, this rank is ``me``) and receive
+    ``recvs[j]`` from it, for every member j but this rank, all posted at once (member ``me + k`` is
+    sent to while ``me - k`` is received from, so every pair has its messages in flight together);
+    ``then`` runs after the transfer."""
     works = []
     for k in range(1, S):
         to, frm = (me + k) % S, (me - k) % S
@@ -113,7 +113,7 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool,
                 out.copy_(acc)
             pool.give(recv)
 
-        return _exchange(chunks, slot, group, _REDUCE_TAG, async_op, sum_chunks)
+        return _exchange(chunks, slot, group, me, S, _REDUCE_TAG, async_op, sum_chunks)
     return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
 
 
@@ -135,7 +135,7 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, po
         me, S = dist.get_rank(group), dist.get_world_size(group)
         chunks = recv.view(S, -1)
         chunks[me].copy_(send)
-        return _exchange([send] * S, chunks, group, _GATHER_TAG, async_op, None)
+        return _exchange([send] * S, chunks, group, me, S, _GATHER_TAG, async_op, None)
     return dist.all_gather_into_tensor(recv, send, group=group, async_op=async_op)
 
 
