@@ -33,9 +33,10 @@ def adjust(args) -> list[str]:
                               "--optimizer-cpu-offload is served by hyper_adaptor's host optimizer, which keeps "
                               "fp32 master weights and moments itself"))
     half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
-    if half and not getattr(args, "use_precision_aware_optimizer", False) and not getattr(args, "use_hsdp", False):
-        notices.append("--optimizer-cpu-offload with --bf16 / --fp16: megatron's fp32 main copies of the parameters "
-                       "stay on the device (4 bytes per element); --use-distributed-optimizer "
+    if half and getattr(args, "use_distributed_optimizer", False) \
+            and not getattr(args, "use_precision_aware_optimizer", False):
+        notices.append("--optimizer-cpu-offload --use-distributed-optimizer with --bf16 / --fp16: megatron's fp32 "
+                       "main shards stay on the device (4 bytes per element of the rank's shard); "
                        "--use-precision-aware-optimizer keeps them on the host only (megatron's own offload path)")
     return notices
 
@@ -70,6 +71,11 @@ def validate(args) -> None:
                          if not _is_fp32(getattr(args, dest, None)))
         raise FeatureConfigError(f"--optimizer-cpu-offload keeps fp32 master weights and moments on the host; "
                                  f"{given} (precision-aware optimizer dtypes) cannot be served with it")
+    if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) and getattr(args, "qk_clip", False) \
+            and not getattr(args, "use_distributed_optimizer", False):
+        raise FeatureConfigError("--optimizer-cpu-offload with --bf16 / --fp16 keeps the fp32 main copies of the "
+                                 "offloaded parameters on the host only; --qk-clip rewrites those copies on the "
+                                 "device in place (drop one of the two, or add --use-distributed-optimizer)")
     for dest, flag in (("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2"),
                        ("use_layer_wise_distributed_optimizer", "--use-layer-wise-distributed-optimizer"),
                        ("optimizer_cuda_graph", "--optimizer-cuda-graph")):

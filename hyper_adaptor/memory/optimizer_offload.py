@@ -49,6 +49,27 @@ def run_closure(closure):
         return closure()
 
 
+def choose_offloaded(param_groups: list, fraction: float, offload_fn=None) -> set:
+    """The parameters an ``OffloadOptimizer`` over ``param_groups`` steps on the host (the rule in the
+    module docstring: a group's ``"offload"`` key, else ``offload_fn``, else ``fraction`` of the elements
+    in order). Public so a caller can learn the split before it builds the optimizer."""
+    fraction = _check_fraction(fraction)
+    chosen, total = set(), sum(p.numel() for g in param_groups for p in g["params"])
+    budget, taken = fraction * total, 0
+    for group in param_groups:
+        for p in group["params"]:
+            if "offload" in group:
+                pick = bool(group["offload"])
+            elif offload_fn is not None:
+                pick = bool(offload_fn(p, group))
+            else:
+                pick = fraction >= 1.0 or taken < budget
+                taken += p.numel() if pick else 0
+            if pick:
+                chosen.add(p)
+    return chosen
+
+
 class _StateByParameter(Mapping):
     """``optimizer.state[param]`` for the model's parameters: a device-stepped parameter's state from the
     device optimizer, an offloaded one's from the host optimizer (keyed there by its master)."""
@@ -96,7 +117,7 @@ class OffloadOptimizer(torch.optim.Optimizer):
                 raise TypeError(f"OffloadOptimizer: parameters must be plain tensors or nn.Parameter (pass a "
                                 f"sharded parameter's local shard); got {type(p).__name__}")
 
-        chosen = self._choose(fraction, offload_fn)
+        chosen = choose_offloaded(self.param_groups, fraction, offload_fn)
         self.masters: dict[torch.Tensor, torch.Tensor] = {}
         # fp32 masters of half-precision device-stepped parameters (``device_masters=True``), on their device
         self.device_masters: dict[torch.Tensor, torch.Tensor] = {}
@@ -116,22 +137,6 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._group_links.append((group, d, h))
         self.device_optimizer = optimizer_class(device_groups) if device_groups else None
         self.host_optimizer = optimizer_class(host_groups) if host_groups else None
-
-    def _choose(self, fraction: float, offload_fn) -> set:
-        chosen, total = set(), sum(p.numel() for g in self.param_groups for p in g["params"])
-        budget, taken = fraction * total, 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if "offload" in group:
-                    pick = bool(group["offload"])
-                elif offload_fn is not None:
-                    pick = bool(offload_fn(p, group))
-                else:
-                    pick = fraction >= 1.0 or taken < budget
-                    taken += p.numel() if pick else 0
-                if pick:
-                    chosen.add(p)
-        return chosen
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(p.dtype, torch.float32)

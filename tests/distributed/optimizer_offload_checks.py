@@ -151,6 +151,16 @@ def _accounting(optimizer) -> dict:
     if mains is not None:  # the distributed optimizer's fp32 main shards of half-precision parameters
         out["fp32_main_bytes"] = sum(m.numel() * m.element_size() for g in mains for m in g if m is not None)
         out["half_shard_elements"] = sum(p.numel() for g in wrapper.shard_float16_groups for p in g)
+    copies = getattr(wrapper, "fp32_from_float16_groups", None)
+    if copies is not None:  # megatron's bf16 / fp16 optimizer's fp32 main copies: bytes their storages hold
+        from hyper_adaptor.patches.memory.optimizer import _source
+
+        out["fp32_main_bytes"] = sum(_source(m).untyped_storage().nbytes() for g in copies for m in g)
+        out["half_elements"] = sum(_source(p).numel() for g in wrapper.float16_groups for p in g)
+        # what megatron.training's --log-params-norm reads: main_param, the host master where it is one
+        hosts = {m.untyped_storage().data_ptr() for m in engine.masters.values()} if engine is not None else set()
+        out["main_param_is_host_master"] = sum(
+            _source(p.main_param).untyped_storage().data_ptr() in hosts for g in wrapper.float16_groups for p in g)
     if engine is not None:
         out["state_bytes"] = inner.state_bytes()
         out["offloaded"] = sum(p.numel() for p in engine.masters)
@@ -239,6 +249,23 @@ def resume(run: dict, tmpdir: str, offload: bool = True) -> dict:
     return {"history": history, "after_load": host}
 
 
+def reload_params(run: dict) -> dict:
+    """1 step, the model parameters written outside the optimizer (+0.5, as a checkpoint's model weights
+    loaded with --no-load-optim would be) and megatron's ``reload_model_params``, 1 more step."""
+    from megatron.core import parallel_state as ps
+
+    with _manager(run.get("offload", False), run.get("hsdp", False)).applied():
+        config, chunk, optimizer = _build(run)
+        _train_steps(config, chunk, optimizer, range(1))
+        with torch.no_grad():
+            for p in chunk.parameters():
+                p.add_(0.5)
+        optimizer.reload_model_params()
+        history = _train_steps(config, chunk, optimizer, range(1, 2))
+    ps.destroy_model_parallel()
+    return {"history": history}
+
+
 def _plain_state_dict_round_trip() -> dict:
     """megatron's state_dict of an offloaded FP32Optimizer through torch.save(weights_only load)."""
     from megatron.core import parallel_state as ps
@@ -284,13 +311,15 @@ def all_checks(rank: int, world_size: int, tmpdir: str) -> dict:
     for name, run in RUNS.items():
         out["runs"][name] = {"reference": train(run), "offload": train({**run, "offload": True})}
     out["runs"]["half"] = {"offload": train({"offload": True, "fraction": 0.5})}
+    out["runs"]["bf16-half"] = {"offload": train({"offload": True, "fraction": 0.5, "bf16": True})}
     references = {"bf16": out["runs"]["bf16-distopt"]["reference"],
                   "fp16": train({"fp16": True, "distributed_optimizer": True})}
     for name, run in PRECISION_AWARE.items():
         out["runs"][name] = {"reference": references["fp16" if run.get("fp16") else "bf16"],
                              "offload": train({**run, "offload": True})}
-    for name in ("ddp", "distopt", "bf16", "hsdp"):
+    for name in ("ddp", "distopt", "bf16", "hsdp", "hsdp-bf16"):
         out["resume"][name] = resume(RUNS[name], tmpdir)
     out["resume"]["bf16-distopt-pa"] = resume(PRECISION_AWARE["bf16-distopt-pa"], tmpdir)
     out["weights_only"] = _plain_state_dict_round_trip()
+    out["reload"] = {"reference": reload_params(RUNS["bf16"]), "offload": reload_params({**RUNS["bf16"], "offload": True})}
     return out

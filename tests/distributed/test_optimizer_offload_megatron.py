@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 RUNS = ["ddp", "distopt", "bf16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3"]
 PRECISION_AWARE = ["bf16-distopt-pa", "bf16-distopt-pa-half", "fp16-distopt-pa"]
-RESUMED = ["ddp", "distopt", "bf16", "hsdp"]
+RESUMED = ["ddp", "distopt", "bf16", "hsdp", "hsdp-bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,39 @@ def test_fraction_one_half_offloads_half(results):
     assert _differences(results["runs"]["ddp"]["reference"]["history"], half["history"]) == []
 
 
+@pytest.mark.parametrize("name", ["bf16", "hsdp-bf16"])
+def test_bf16_optimizers_fp32_main_copies_live_on_the_host_only(results, name):
+    # megatron's Float16OptimizerWithFloat16Params keeps an fp32 copy of every bf16 parameter (its shard
+    # under HSDP) beside it: 4 bytes per element; with the offload the engine's host master takes its
+    # place and the copy's storage is released
+    reference, offload = results["runs"][name]["reference"], results["runs"][name]["offload"]
+    elements = reference["half_elements"]
+    assert elements > 0 and offload["half_elements"] == elements
+    assert reference["fp32_main_bytes"] == 4 * elements
+    assert offload["fp32_main_bytes"] == 0
+    # --log-params-norm reads a parameter's main_param: the host master in place of the released copy
+    assert offload["main_param_is_host_master"] == offload["params"] > 0
+    assert reference["main_param_is_host_master"] == 0
+
+
+def test_bf16_at_fraction_one_half_releases_the_offloaded_shares_copies(results):
+    half, reference = results["runs"]["bf16-half"]["offload"], results["runs"]["bf16"]["reference"]
+    total, offloaded = half["total"], half["offloaded"]
+    assert 0 < offloaded < total
+    # every element this optimizer steps is a bf16 parameter's: the device share keeps its fp32 copies
+    assert half["half_elements"] == total
+    assert half["fp32_main_bytes"] == 4 * (total - offloaded)
+    assert half["state_bytes"] == {"device": 8 * (total - offloaded), "host": 16 * offloaded}
+    assert _differences(reference["history"], half["history"]) == []
+
+
+def test_bf16_reload_model_params_reaches_the_host_masters(results):
+    # megatron's reload_model_params copies the model parameters into its fp32 main copies (after a
+    # checkpoint's weights were loaded without the optimizer); released copies: into the host masters
+    reload = results["reload"]
+    assert _differences(reload["reference"]["history"], reload["offload"]["history"]) == []
+
+
 @pytest.mark.parametrize("name", RESUMED)
 def test_save_and_resume_through_megatrons_checkpoint(results, name):
     # 2 steps, megatron torch_dist checkpoint (model + optimizer), a new model and optimizer loaded
@@ -104,6 +137,7 @@ def test_save_and_resume_through_megatrons_checkpoint(results, name):
     assert _differences(results["runs"][name]["reference"]["history"][-1:], resumed["history"]) == []
     after_load = resumed["after_load"]
     assert after_load["state_bytes"]["device"] == 0 and after_load["host_state_devices"] == ["cpu"]
+    assert after_load.get("fp32_main_bytes", 0) == 0  # bf16: loaded into the host masters
 
 
 def test_state_dict_is_torchs_format_and_loads_weights_only(results):

@@ -70,6 +70,8 @@ RUNS = {
     # megatron's precision-aware path: no fp32 main shards on the device (OffloadedHybridOptimizer)
     "offload_bf16_precision_aware": (True, ["--optimization-level", "2", "--bf16", *DISTOPT, *OFFLOAD,
                                             "--use-precision-aware-optimizer"]),
+    # megatron's bf16 optimizer (Float16OptimizerWithFloat16Params): its fp32 main copies on the host only
+    "offload_bf16_float16": (True, ["--optimization-level", "2", "--bf16", *OFFLOAD]),
 }
 
 
@@ -144,6 +146,7 @@ def close(a, b, rtol):
     # then, and the bf16 copy of that weight then differs by one bf16 step: 2.2e-5 relative at step 5
     ("offload_bf16", "level2_bf16_distopt", 1e-4),
     ("offload_bf16_precision_aware", "level2_bf16_distopt", 1e-4),
+    ("offload_bf16_float16", "level2_bf16", 1e-4),
 ])
 def test_parity_on_one_gpu(runs, run, reference, rtol):
     got, want = ok(runs, run), ok(runs, reference)
@@ -166,3 +169,11 @@ def test_precision_aware_offload_keeps_fp32_main_copies_off_the_device(runs):
     got, want = ok(runs, "offload_bf16_precision_aware"), ok(runs, "offload_bf16")
     assert got["max_allocated_mb"] < want["max_allocated_mb"], (got["max_allocated_mb"], want["max_allocated_mb"])
     assert "no fp32 main copies beside the parameters" in got["output"]
+
+
+def test_bf16_offload_releases_megatrons_fp32_main_copies_on_the_device(runs):
+    # without the flag megatron's bf16 optimizer keeps fp32 main copies (4 bytes per element) and Adam's
+    # moments (8) on the device; with it both live on the host
+    got, want = ok(runs, "offload_bf16_float16"), ok(runs, "level2_bf16")
+    assert got["max_allocated_mb"] < want["max_allocated_mb"], (got["max_allocated_mb"], want["max_allocated_mb"])
+    assert "fp32 main copies of" in got["output"] and "live on the host only" in got["output"]

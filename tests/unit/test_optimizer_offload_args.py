@@ -51,19 +51,21 @@ def test_precision_aware_flag_switched_off_where_megatrons_path_cannot_take_it(f
     notices = optimizer.adjust(args)
     assert args.use_precision_aware_optimizer is False
     assert notices[0].startswith("--use-precision-aware-optimizer: True -> False")
-    # in half precision the user also hears where megatron's fp32 main copies stay, and how to avoid that
-    assert len(notices) == (2 if "--bf16" in flags else 1)
-    if "--bf16" in flags:
-        assert "fp32 main copies of the parameters stay on the device" in notices[1]
+    # with the distributed optimizer in half precision the user also hears that its fp32 main shards stay
+    # on the device (without it, the offload keeps megatron's fp32 main copies on the host itself)
+    told = "--bf16" in flags and "--use-distributed-optimizer" in flags
+    assert len(notices) == (2 if told else 1)
+    if told:
+        assert "fp32 main shards stay on the device" in notices[1]
 
 
-@pytest.mark.parametrize("flags,told", [(("--bf16",), True), (("--bf16", "--use-distributed-optimizer"), True),
+@pytest.mark.parametrize("flags,told", [(("--bf16",), False), (("--bf16", "--use-distributed-optimizer"), True),
                                         (("--use-distributed-optimizer",), False)])
 def test_half_precision_offload_without_megatrons_path_says_where_the_fp32_main_copies_stay(flags, told):
     notices = optimizer.adjust(_args(*flags))
     assert notices == ([] if not told else [notices[0]])
     if told:
-        assert "--use-distributed-optimizer --use-precision-aware-optimizer keeps them on the host" in notices[0]
+        assert "--use-precision-aware-optimizer keeps them on the host only" in notices[0]
 
 
 def test_without_the_flag_nothing_changes():
@@ -83,6 +85,7 @@ def test_without_the_flag_nothing_changes():
         (("--main-params-dtype", "fp16"), "--main-params-dtype fp16"),
         (("--use-torch-fsdp2",), "--optimizer-cpu-offload cannot be combined with --use-torch-fsdp2"),
         (("--optimizer-cuda-graph",), "--optimizer-cpu-offload cannot be combined with --optimizer-cuda-graph"),
+        (("--bf16", "--qk-clip"), "--qk-clip rewrites those copies on the device"),
     ],
 )
 def test_combinations_that_cannot_work_are_errors_naming_the_flags(flags, message):
@@ -115,10 +118,19 @@ def test_the_seam_resolves_in_the_installed_megatron():
     manager = PatchManager()
     manager.register_all(optimizer_patches.patches(_args()))
     targets = [p.target for p in optimizer_patches.patches(_args())]
-    assert targets == [optimizer_patches.FACTORY, optimizer_patches.HYBRID]
+    float16 = optimizer_patches.FLOAT16
+    assert targets == [optimizer_patches.FACTORY, optimizer_patches.HYBRID,
+                       f"{float16}._get_model_and_main_params_data_float16",
+                       f"{float16}._copy_model_params_to_main_params", f"{float16}.state_dict",
+                       f"{float16}.load_state_dict", optimizer_patches.PARAM_DATA]
     with manager.applied():
         import megatron.core.optimizer as mco
         import megatron.core.optimizer.distrib_optimizer as distrib
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+        for name in ("_get_model_and_main_params_data_float16", "_copy_model_params_to_main_params", "state_dict",
+                     "load_state_dict"):  # the four seams of released fp32 main copies
+            assert getattr(Float16OptimizerWithFloat16Params, name).__wrapped__ is not None
 
         assert mco._get_megatron_optimizer_based_on_param_groups.__wrapped__ is not None
         # the class megatron's factory builds and its distributed optimizer checks for, in both places

@@ -14,11 +14,23 @@ builds exactly what it builds without it (``FP32Optimizer``, ``Float16OptimizerW
 HSDP builds no optimizer of its own: megatron's ``get_megatron_optimizer`` runs on the HSDP-wrapped
 chunks, so this one seam serves ``--use-hsdp`` too), and only the torch optimizer inside the wrapper
 (``wrapper.optimizer``) is swapped for :class:`OffloadedTorchOptimizer`. Everything megatron does
-around the step — gradient unscaling, clipping, the fp32 main copies, the distributed optimizer's
-shard bookkeeping and all-gather, checkpoints — runs unchanged on the same parameters.
+around the step — gradient unscaling, clipping, the distributed optimizer's shard bookkeeping and
+all-gather, checkpoints — runs unchanged on the same parameters (the bf16 optimizer's fp32 main copies:
+next paragraph but one).
 Why not a replacement ``HybridDeviceOptimizer`` for every case: megatron reaches it only through the
 precision-aware paths of the distributed optimizer (bf16 shards, ``decoupled_grad``), so it could not
 serve ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or HSDP.
+
+Megatron's bf16 / fp16 optimizer (``Float16OptimizerWithFloat16Params``, also HSDP's in half precision)
+keeps an fp32 main copy beside each half-precision parameter. The engine's host master of an offloaded
+parameter is that copy's equal, so the copy is *released* (its device storage freed; the tensor stays,
+shapes and gradient intact, for megatron's unscaling, clipping and norms) and the engine steps the model
+parameter itself, its gradient the copy's. What megatron does with a copy's data is served by small
+wraps: the model<->main copies skip released pairs (``without_hosted_pairs``; the engine writes those
+parameters), ``reload_model_params`` refreshes the masters, ``state_dict`` / ``load_state_dict`` see the
+masters in the copies' place (so checkpoints save and load the host tensors), and the parameter's
+``main_param`` (megatron.training's ``--log-params-norm``) is the master, brought to the device for the
+norm. Replacing megatron's wrapper instead would fork its loss scaling, clipping and checkpoint code.
 
 Where megatron does reach it — ``--use-distributed-optimizer --use-precision-aware-optimizer`` with
 ``--bf16`` / ``--fp16`` — it is replaced (the second patch), by :class:`OffloadedHybridOptimizer`, and the
@@ -44,20 +56,30 @@ from collections.abc import MutableMapping
 
 import torch
 
-from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer, run_closure
+from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer, choose_offloaded, run_closure
 from hyper_adaptor.notice import notice
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "memory"
 FACTORY = "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups"
 HYBRID = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer"
+FLOAT16 = "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params"
+PARAM_DATA = "megatron.training.utils.common_utils._get_param_data"  # what --log-params-norm reads of a parameter
 
 
 def patches(args) -> list[Patch]:
-    """The seams: megatron's optimizer factory, and its CPU-offload optimizer class where the factory
-    and the distributed optimizer name it (see the module docstring)."""
+    """The seams: megatron's optimizer factory, its CPU-offload optimizer class where the factory and
+    the distributed optimizer name it, the four places where megatron's bf16 / fp16 optimizer touches
+    the data of the fp32 main copies the offload releases, and where megatron.training reads a main copy
+    for ``--log-params-norm`` (see the module docstring)."""
     return [Patch(FACTORY, serve_optimizer_cpu_offload, "wrap", FEATURE),
-            Patch(HYBRID, OffloadedHybridOptimizer, "replace", FEATURE)]
+            Patch(HYBRID, OffloadedHybridOptimizer, "replace", FEATURE),
+            Patch(f"{FLOAT16}._get_model_and_main_params_data_float16", without_hosted_pairs, "wrap", FEATURE),
+            Patch(f"{FLOAT16}._copy_model_params_to_main_params", refreshing_hosted_masters, "wrap", FEATURE),
+            Patch(f"{FLOAT16}.state_dict", state_dict_with_host_masters, "wrap", FEATURE),
+            # HSDP's wrap (inner) turns the saved copies into DTensors laid out like the live ones
+            Patch(f"{FLOAT16}.load_state_dict", loading_into_host_masters, "wrap", FEATURE, after=("hsdp",)),
+            Patch(PARAM_DATA, main_copy_on_the_parameters_device, "wrap", FEATURE)]
 
 
 # -- the seam ------------------------------------------------------------------------------------------
@@ -93,16 +115,127 @@ def serve_optimizer_cpu_offload(original):
         optimizer = original(*args, **kwargs)
         inner = getattr(optimizer, "optimizer", None)
         if inner is not None:
+            mains = _main_copies(optimizer)
             served = OffloadedTorchOptimizer(
                 inner, host_optimizer_class(inner, config), offload_fraction=config.optimizer_offload_fraction,
-                pin_memory=None if getattr(config, "pin_cpu_params", True) else False)
+                pin_memory=None if getattr(config, "pin_cpu_params", True) else False, model_params=mains)
             optimizer.optimizer = served
+            for main, model in served.hosted.items():
+                # megatron.training's --log-params-norm reads a parameter's ``main_param``: the host master
+                # (brought to the parameter's device for the norm: :func:`main_copy_on_the_parameters_device`)
+                if getattr(model, "main_param", None) is main:
+                    model.main_param = served.host_master(main)
+            hosted = (f"; the fp32 main copies of {sum(m.numel() for m in served.hosted):,} elements live on the "
+                      f"host only" if served.hosted else "")
             notice(f"--optimizer-cpu-offload: megatron's {type(optimizer).__name__} steps through "
                    f"hyper_adaptor's OffloadOptimizer ({served.offloaded_share():.0%} of rank 0's elements "
-                   f"with state on the host)")
+                   f"with state on the host{hosted})")
         return optimizer
 
     return _get_megatron_optimizer_based_on_param_groups
+
+
+def _main_copies(optimizer) -> dict:
+    """``{fp32 main copy: its half-precision model parameter}`` of megatron's bf16 / fp16 optimizer
+    (``Float16OptimizerWithFloat16Params``; empty for the others)."""
+    mains = {}
+    for models, copies in zip(getattr(optimizer, "float16_groups", ()), getattr(optimizer, "fp32_from_float16_groups", ())):
+        mains.update(zip(copies, models))
+    return mains
+
+
+def _hosted(optimizer) -> dict:
+    inner = getattr(optimizer, "optimizer", None)
+    return inner.hosted if isinstance(inner, OffloadedTorchOptimizer) else {}
+
+
+def _with_host_masters(optimizer, groups: list) -> list:
+    """``fp32_from_float16_groups``-shaped lists with each released main copy replaced by its host master."""
+    inner, hosted = optimizer.optimizer, _hosted(optimizer)
+    return [[inner.host_master(main) if main in hosted else main for main in group] for group in groups]
+
+
+def without_hosted_pairs(original):
+    """Wrap of ``_get_model_and_main_params_data_float16`` — the pairs megatron copies between model
+    parameters and fp32 main copies, both ways — without the pairs whose copy was released: the engine
+    writes those model parameters from the host masters in its step, and the masters from the model
+    parameters in :func:`refreshing_hosted_masters`."""
+
+    @functools.wraps(original)
+    def _get_model_and_main_params_data_float16(self, *args, **kwargs):
+        model_data, main_data = original(self, *args, **kwargs)
+        hosted = _hosted(self)
+        if not hosted:
+            return model_data, main_data
+        keep = [main not in hosted for group in self.fp32_from_float16_groups for main in group]
+        return ([d for d, k in zip(model_data, keep) if k]), ([d for d, k in zip(main_data, keep) if k])
+
+    return _get_model_and_main_params_data_float16
+
+
+def refreshing_hosted_masters(original):
+    """Wrap of ``_copy_model_params_to_main_params`` (megatron's ``reload_model_params``): the host
+    masters of released copies take their model parameters' values too."""
+
+    @functools.wraps(original)
+    def _copy_model_params_to_main_params(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _hosted(self):
+            self.optimizer.refresh_hosted_masters()
+        return result
+
+    return _copy_model_params_to_main_params
+
+
+def state_dict_with_host_masters(original):
+    """Wrap of the bf16 / fp16 optimizer's ``state_dict`` (which its ``sharded_state_dict`` calls): the
+    saved fp32 main copies are the host masters where the copies were released — a checkpoint saves
+    them from, and loads them into, the host."""
+
+    @functools.wraps(original)
+    def state_dict(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if _hosted(self) and "fp32_from_fp16_params" in result:
+            result["fp32_from_fp16_params"] = _with_host_masters(self, result["fp32_from_fp16_params"])
+        return result
+
+    return state_dict
+
+
+def loading_into_host_masters(original):
+    """Wrap of the bf16 / fp16 optimizer's ``load_state_dict``: megatron copies the saved fp32 main
+    copies into ``fp32_from_float16_groups``; for the call, those lists name the host masters in place
+    of the released copies."""
+
+    @functools.wraps(original)
+    def load_state_dict(self, *args, **kwargs):
+        if not _hosted(self):
+            return original(self, *args, **kwargs)
+        live = self.fp32_from_float16_groups
+        self.fp32_from_float16_groups = _with_host_masters(self, live)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.fp32_from_float16_groups = live
+
+    return load_state_dict
+
+
+def main_copy_on_the_parameters_device(original):
+    """Wrap of megatron.training's ``_get_param_data`` (the tensor ``--log-params-norm`` takes of a
+    parameter: its fp32 ``main_param`` where it has one): a main copy that lives on the host (the engine's
+    master of a released copy) is copied to the parameter's device for the norm — the same transient
+    megatron's own norm takes of a parameter without a main copy (``param.data.float()``), and the norm
+    megatron logs without the offload."""
+
+    @functools.wraps(original)
+    def _get_param_data(param, *args, **kwargs):
+        data, is_sharded = original(param, *args, **kwargs)
+        if isinstance(data, torch.Tensor) and data.device != param.device:
+            data = data.to(param.device)
+        return data, is_sharded
+
+    return _get_param_data
 
 
 def host_optimizer_class(inner: torch.optim.Optimizer, config) -> type:
@@ -232,19 +365,54 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
     runs torch's global step hooks with these parameters (HSDP marks its shards changed from one)."""
 
     def __init__(self, inner: torch.optim.Optimizer, optimizer_class: type, *, offload_fraction: float = 1.0,
-                 pin_memory: bool | None = None):
+                 pin_memory: bool | None = None, model_params: dict | None = None):
         # megatron's groups as they are (the distributed optimizer's shards are non-leaf views, which
         # torch's add_param_group refuses; megatron itself assigns them after construction)
         super().__init__([{"params": []}], inner.defaults)
         self.param_groups = inner.param_groups
-        self.locals = {p: _alias(p) for group in self.param_groups for p in group["params"]}
+        aliases = {p: _alias(p) for group in self.param_groups for p in group["params"]}
+        chosen = choose_offloaded([{"params": [aliases[p] for p in g["params"]]} for g in self.param_groups],
+                                  offload_fraction)
+        # fp32 main copies (megatron's Float16OptimizerWithFloat16Params) of offloaded parameters: the
+        # engine's host master takes their place, so the engine steps the half-precision model parameter
+        # itself (its gradient: the main copy's, as ``decoupled_grad``) and the copy's device storage is
+        # released below — ``hosted`` maps each such main copy to its model parameter
+        self.hosted = {p: model for p, model in (model_params or {}).items() if aliases.get(p) in chosen}
+        self.locals = {p: _alias(self.hosted[p]) if p in self.hosted else aliases[p] for p in aliases}
+        offloaded = {self.locals[p] for p in aliases if aliases[p] in chosen}
         self.engine = OffloadOptimizer(
             [{**_hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
-            optimizer_class, offload_fraction=offload_fraction, pin_memory=pin_memory)
+            optimizer_class, offload_fn=lambda q, _group: q in offloaded, pin_memory=pin_memory,
+            grad_attr="decoupled_grad" if self.hosted else "grad")
+        for main in self.hosted:
+            self.engine.masters[self.locals[main]].copy_(_source(main))  # the fp32 values, not the model's
+            _source(main).untyped_storage().resize_(0)
+        self._hosted_views: dict = {}  # main copy -> its master as megatron's checkpoint code sees it
         carried = {p: dict(s) for p, s in inner.state.items() if s}
         self.state = _StateView(self)
         for param, state in carried.items():
             self.state[param] = state
+
+    def host_master(self, main: torch.Tensor) -> torch.Tensor:
+        """The engine's host master in place of the released main copy ``main``, shaped as megatron's
+        checkpoint code expects it (a DTensor laid out like ``main`` under HSDP; it shares the master's
+        storage, so a checkpoint loaded into it lands in the master)."""
+        view = self._hosted_views.get(main)
+        if view is None:
+            from torch.distributed.tensor import DTensor
+
+            view = self.engine.masters[self.locals[main]]
+            if isinstance(main, DTensor):
+                view = DTensor.from_local(view, main.device_mesh, main.placements, run_check=False,
+                                          shape=main.shape, stride=main.stride())
+            self._hosted_views[main] = view
+        return view
+
+    def refresh_hosted_masters(self) -> None:
+        """The host masters of released main copies take their model parameters' values (what megatron's
+        ``_copy_model_params_to_main_params`` does for the main copies it still has)."""
+        for main, model in self.hosted.items():
+            self.engine.masters[self.locals[main]].copy_(_source(model))
 
     def offloaded_share(self) -> float:
         """The share of this optimizer's parameter elements whose state and master live on the host."""
@@ -259,19 +427,28 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
         loss = run_closure(closure)
         _hyperparameters_to(self.engine, self.param_groups)
         for param, local in self.locals.items():
-            if _source(param).data_ptr() != local.data_ptr():
+            model = self.hosted.get(param, param)
+            if _source(model).data_ptr() != local.data_ptr():
                 raise RuntimeError(f"--optimizer-cpu-offload: a parameter of shape {tuple(param.shape)} was moved to "
                                    f"other storage after the optimizer was built (its offloaded copy would no "
                                    f"longer reach it)")
-            grad = param.grad
-            local.grad = None if grad is None else _source(grad)
+            grad = None if param.grad is None else _source(param.grad)
+            if param in self.hosted:
+                local.decoupled_grad = grad
+            else:
+                local.grad = grad
         # The masters take the parameters' current values first: megatron writes its fp32 main
         # parameters outside the optimizer (checkpoint load, reload_model_params, the distributed
         # optimizer's state loading), through ``.data``, which no version counter shows. An fp32
-        # copy of an fp32 tensor, so the step is exactly megatron's.
+        # copy of an fp32 tensor, so the step is exactly megatron's. (A released main copy's master is
+        # written where megatron would write the copy: the seams below.)
+        hosted = {self.locals[main] for main in self.hosted}
         for local, master in self.engine.masters.items():
-            master.copy_(local, non_blocking=True)
+            if local not in hosted:
+                master.copy_(local, non_blocking=True)
         self.engine.step()
+        for local in hosted:
+            local.decoupled_grad = None  # no reference to the gradient past the step
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
