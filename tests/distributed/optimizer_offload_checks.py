@@ -290,10 +290,12 @@ RUNS = {
     "ddp": {},
     "distopt": {"distributed_optimizer": True},
     "bf16": {"bf16": True},
+    "fp16": {"fp16": True},  # static loss scale: megatron unscales the main copies' gradients
     "bf16-distopt": {"bf16": True, "distributed_optimizer": True},
     "hsdp": {"hsdp": True},
     "hsdp-bf16": {"hsdp": True, "bf16": True},
     "hsdp-level3": {"hsdp": True, "hsdp_level": "level3"},
+    "hsdp-level3-bf16": {"hsdp": True, "hsdp_level": "level3", "bf16": True},
 }
 # megatron's precision-aware path (--use-precision-aware-optimizer): its distributed optimizer keeps no fp32
 # main shards and hands the bf16 shards to its CPU-offload optimizer (OffloadedHybridOptimizer); compared

@@ -3,9 +3,10 @@
 (tests/distributed/optimizer_offload_checks.py).
 
 gpt_parity's tiny GPT, 3 Adam steps at DP2, with megatron's own optimizer and with the offload seam:
-megatron's DDP with FP32Optimizer, the distributed optimizer, bf16 (Float16OptimizerWithFloat16Params),
-bf16 with the distributed optimizer, and HSDP (level 2 fp32 and bf16, level 3 fp32: megatron's
-optimizer over DTensor shards); and megatron's precision-aware path (bf16 + distributed optimizer +
+megatron's DDP with FP32Optimizer, the distributed optimizer, bf16 and fp16
+(Float16OptimizerWithFloat16Params, whose fp32 main copies the offload releases), bf16 with the
+distributed optimizer, and HSDP (levels 2 and 3, fp32 and bf16: megatron's optimizer over DTensor
+shards); and megatron's precision-aware path (bf16 + distributed optimizer +
 --use-precision-aware-optimizer, OffloadedHybridOptimizer) against the plain bf16 distributed optimizer.
 Tolerance: none — losses and every parameter after every step bitwise equal (the offloaded step is
 torch's AdamW on an fp32 copy of the same fp32 tensor). The optimizer state is counted by
@@ -19,7 +20,7 @@ from hyper_adaptor.testing import run_world
 
 pytestmark = pytest.mark.distributed
 
-RUNS = ["ddp", "distopt", "bf16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3"]
+RUNS = ["ddp", "distopt", "bf16", "fp16", "bf16-distopt", "hsdp", "hsdp-bf16", "hsdp-level3", "hsdp-level3-bf16"]
 PRECISION_AWARE = ["bf16-distopt-pa", "bf16-distopt-pa-half", "fp16-distopt-pa"]
 RESUMED = ["ddp", "distopt", "bf16", "hsdp", "hsdp-bf16"]
 
@@ -62,9 +63,10 @@ def test_offload_equals_megatrons_optimizer_bitwise(results, name):
 def test_the_runs_cover_megatrons_three_optimizer_wrappers(results):
     wrappers = {name: results["runs"][name]["reference"]["wrapper"] for name in RUNS}
     assert wrappers == {"ddp": "FP32Optimizer", "distopt": "DistributedOptimizer",
-                        "bf16": "Float16OptimizerWithFloat16Params", "bf16-distopt": "DistributedOptimizer",
+                        "bf16": "Float16OptimizerWithFloat16Params", "fp16": "Float16OptimizerWithFloat16Params",
+                        "bf16-distopt": "DistributedOptimizer",
                         "hsdp": "FP32Optimizer", "hsdp-bf16": "Float16OptimizerWithFloat16Params",
-                        "hsdp-level3": "FP32Optimizer"}
+                        "hsdp-level3": "FP32Optimizer", "hsdp-level3-bf16": "Float16OptimizerWithFloat16Params"}
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -96,7 +98,7 @@ def test_fraction_one_half_offloads_half(results):
     assert _differences(results["runs"]["ddp"]["reference"]["history"], half["history"]) == []
 
 
-@pytest.mark.parametrize("name", ["bf16", "hsdp-bf16"])
+@pytest.mark.parametrize("name", ["bf16", "fp16", "hsdp-bf16", "hsdp-level3-bf16"])
 def test_bf16_optimizers_fp32_main_copies_live_on_the_host_only(results, name):
     # megatron's Float16OptimizerWithFloat16Params keeps an fp32 copy of every bf16 parameter (its shard
     # under HSDP) beside it: 4 bytes per element; with the offload the engine's host master takes its
