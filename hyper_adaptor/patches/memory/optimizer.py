@@ -380,6 +380,7 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
         self.hosted = {p: model for p, model in (model_params or {}).items() if aliases.get(p) in chosen}
         self.locals = {p: _alias(self.hosted[p]) if p in self.hosted else aliases[p] for p in aliases}
         offloaded = {self.locals[p] for p in aliases if aliases[p] in chosen}
+        self._hosted_locals = {self.locals[main] for main in self.hosted}
         self.engine = OffloadOptimizer(
             [{**_hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
             optimizer_class, offload_fn=lambda q, _group: q in offloaded, pin_memory=pin_memory,
@@ -441,13 +442,12 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
         # parameters outside the optimizer (checkpoint load, reload_model_params, the distributed
         # optimizer's state loading), through ``.data``, which no version counter shows. An fp32
         # copy of an fp32 tensor, so the step is exactly megatron's. (A released main copy's master is
-        # written where megatron would write the copy: the seams below.)
-        hosted = {self.locals[main] for main in self.hosted}
+        # written where megatron would write the copy: the Float16OptimizerWithFloat16Params wraps.)
         for local, master in self.engine.masters.items():
-            if local not in hosted:
+            if local not in self._hosted_locals:
                 master.copy_(local, non_blocking=True)
         self.engine.step()
-        for local in hosted:
+        for local in self._hosted_locals:
             local.decoupled_grad = None  # no reference to the gradient past the step
         return loss
 
