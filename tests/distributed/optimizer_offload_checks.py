@@ -35,12 +35,34 @@ def _hsdp_args(level: str = "level2"):
                                  hsdp_comm_async=False, hsdp_bucket_size_kb=25600.0, hsdp_reduce_dtype=None)
 
 
+# fp32 main copies megatron's bf16 / fp16 optimizer made in the current build, and the most bytes their
+# storages held at once (counted as each copy is made, before anything can release it)
+_MADE: list = []
+_COPIES_PEAK = [0]
+
+
+def _count_copies(original):
+    """Probe around megatron's copy_optimizer_param_metadata (outside the offload seam's wrap of it)."""
+    from hyper_adaptor.patches.memory.optimizer import _source
+
+    def copy_optimizer_param_metadata(destination, source, *args, **kwargs):
+        if destination.dtype == torch.float32 and source.dtype != torch.float32:
+            _MADE.append(destination)
+            live = sum(_source(d).untyped_storage().nbytes() for d in _MADE)
+            _COPIES_PEAK[0] = max(_COPIES_PEAK[0], live)
+        return original(destination, source, *args, **kwargs)
+
+    return copy_optimizer_param_metadata
+
+
 def _manager(offload: bool, hsdp: bool | str):
-    """A scoped PatchManager with the offload seam and / or HSDP's patches (``hsdp``: its level, or True)."""
-    from hyper_adaptor.patch_manager import PatchManager
+    """A scoped PatchManager with the offload seam and / or HSDP's patches (``hsdp``: its level, or True),
+    and the probe that counts megatron's fp32 main copies as they are made."""
+    from hyper_adaptor.patch_manager import Patch, PatchManager
     from hyper_adaptor.patches.memory import optimizer as offload_patches
 
     manager = PatchManager()
+    manager.register(Patch(offload_patches.PARAM_METADATA, _count_copies, "wrap", "probe", after=("memory",)))
     if offload:
         manager.register_all(offload_patches.patches(_args()))
     if hsdp:
@@ -183,11 +205,18 @@ def train(run: dict) -> dict:
 
     hsdp = run.get("hsdp_level", "level2") if run.get("hsdp") else False
     with _manager(run.get("offload", False), hsdp).applied():
+        _MADE.clear()
+        _COPIES_PEAK[0] = 0
         config, chunk, optimizer = _build(run)
+        from hyper_adaptor.patches.memory.optimizer import _source
+
+        copies = {"copies_peak_bytes": _COPIES_PEAK[0],  # a copy's bytes: its local shard's under HSDP
+                  "largest_copy_bytes": max((_source(d).numel() * 4 for d in _MADE), default=0)}
+        _MADE.clear()
         history = _train_steps(config, chunk, optimizer, range(STEPS))
         accounting = _accounting(optimizer)
     ps.destroy_model_parallel()
-    return {"history": history, **accounting}
+    return {"history": history, **accounting, **copies}
 
 
 def _checkpoint_state(chunk, optimizer, is_loading: bool) -> dict:

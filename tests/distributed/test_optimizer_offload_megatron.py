@@ -113,6 +113,16 @@ def test_bf16_optimizers_fp32_main_copies_live_on_the_host_only(results, name):
     assert reference["main_param_is_host_master"] == 0
 
 
+@pytest.mark.parametrize("name", ["bf16", "fp16", "hsdp-bf16", "hsdp-level3-bf16"])
+def test_bf16_optimizers_fp32_main_copies_never_exist_all_at_once(results, name):
+    # counted as megatron makes each copy: without the flag they pile up to 4 bytes per element; with it
+    # each is released as it is made, so at most one copy (the largest) holds memory at a time
+    reference, offload = results["runs"][name]["reference"], results["runs"][name]["offload"]
+    assert reference["copies_peak_bytes"] == 4 * reference["half_elements"]
+    assert 0 < offload["largest_copy_bytes"] < 4 * offload["half_elements"]
+    assert offload["copies_peak_bytes"] == offload["largest_copy_bytes"]
+
+
 def test_bf16_at_fraction_one_half_releases_the_offloaded_shares_copies(results):
     half, reference = results["runs"]["bf16-half"]["offload"], results["runs"]["bf16"]["reference"]
     total, offloaded = half["total"], half["offloaded"]

@@ -122,7 +122,7 @@ def test_the_seam_resolves_in_the_installed_megatron():
     assert targets == [optimizer_patches.FACTORY, optimizer_patches.HYBRID,
                        f"{float16}._get_model_and_main_params_data_float16",
                        f"{float16}._copy_model_params_to_main_params", f"{float16}.state_dict",
-                       f"{float16}.load_state_dict", optimizer_patches.PARAM_DATA]
+                       f"{float16}.load_state_dict", optimizer_patches.PARAM_DATA, optimizer_patches.PARAM_METADATA]
     with manager.applied():
         import megatron.core.optimizer as mco
         import megatron.core.optimizer.distrib_optimizer as distrib

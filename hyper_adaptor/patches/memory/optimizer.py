@@ -23,10 +23,10 @@ serve ``FP32Optimizer``, ``Float16OptimizerWithFloat16Params`` or HSDP.
 
 Megatron's bf16 / fp16 optimizer (``Float16OptimizerWithFloat16Params``, also HSDP's in half precision)
 keeps an fp32 main copy beside each half-precision parameter. The engine's host master of an offloaded
-parameter is that copy's equal, so the copy is *released* (its device storage freed; the tensor stays,
-shapes and gradient intact, for megatron's unscaling, clipping and norms) and the engine steps the model
-parameter itself, its gradient the copy's. What megatron does with a copy's data is served by small
-wraps: the model<->main copies skip released pairs (``without_hosted_pairs``; the engine writes those
+parameter is that copy's equal, so the copy is *released* as megatron makes it (its device storage
+freed, so the copies never exist all at once; the tensor stays, shapes and gradient intact, for
+megatron's unscaling, clipping and norms) and the engine steps the model parameter itself, its gradient
+the copy's. What megatron does with a copy's data is served by small wraps: the model<->main copies skip released pairs (``without_hosted_pairs``; the engine writes those
 parameters), ``reload_model_params`` refreshes the masters, ``state_dict`` / ``load_state_dict`` see the
 masters in the copies' place (so checkpoints save and load the host tensors), and the parameter's
 ``main_param`` (megatron.training's ``--log-params-norm``) is the master, brought to the device for the
@@ -50,8 +50,10 @@ megatron's checkpoint code reads and writes the host tensors in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 from collections.abc import MutableMapping
 
 import torch
@@ -65,13 +67,15 @@ FACTORY = "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups
 HYBRID = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer"
 FLOAT16 = "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params"
 PARAM_DATA = "megatron.training.utils.common_utils._get_param_data"  # what --log-params-norm reads of a parameter
+# called by megatron's bf16 / fp16 optimizer right after it makes each fp32 main copy
+PARAM_METADATA = "megatron.core.optimizer.optimizer.copy_optimizer_param_metadata"
 
 
 def patches(args) -> list[Patch]:
     """The seams: megatron's optimizer factory, its CPU-offload optimizer class where the factory and
     the distributed optimizer name it, the four places where megatron's bf16 / fp16 optimizer touches
-    the data of the fp32 main copies the offload releases, and where megatron.training reads a main copy
-    for ``--log-params-norm`` (see the module docstring)."""
+    the data of the fp32 main copies the offload releases, where megatron.training reads a main copy for
+    ``--log-params-norm``, and where megatron has just made a copy (see the module docstring)."""
     return [Patch(FACTORY, serve_optimizer_cpu_offload, "wrap", FEATURE),
             Patch(HYBRID, OffloadedHybridOptimizer, "replace", FEATURE),
             Patch(f"{FLOAT16}._get_model_and_main_params_data_float16", without_hosted_pairs, "wrap", FEATURE),
@@ -79,7 +83,8 @@ def patches(args) -> list[Patch]:
             Patch(f"{FLOAT16}.state_dict", state_dict_with_host_masters, "wrap", FEATURE),
             # HSDP's wrap (inner) turns the saved copies into DTensors laid out like the live ones
             Patch(f"{FLOAT16}.load_state_dict", loading_into_host_masters, "wrap", FEATURE, after=("hsdp",)),
-            Patch(PARAM_DATA, main_copy_on_the_parameters_device, "wrap", FEATURE)]
+            Patch(PARAM_DATA, main_copy_on_the_parameters_device, "wrap", FEATURE),
+            Patch(PARAM_METADATA, releasing_main_copies_as_made, "wrap", FEATURE)]
 
 
 # -- the seam ------------------------------------------------------------------------------------------
@@ -112,7 +117,8 @@ def serve_optimizer_cpu_offload(original):
             kwargs["config"] = plain
         else:
             args = (plain, *args[1:])
-        optimizer = original(*args, **kwargs)
+        with _releasing(_copies_to_release(original, args, kwargs, config)):
+            optimizer = original(*args, **kwargs)
         inner = getattr(optimizer, "optimizer", None)
         if inner is not None:
             mains = _main_copies(optimizer)
@@ -133,6 +139,49 @@ def serve_optimizer_cpu_offload(original):
         return optimizer
 
     return _get_megatron_optimizer_based_on_param_groups
+
+
+# model parameters whose fp32 main copies megatron's bf16 / fp16 optimizer is making right now, to be
+# released as each is made (set only while the offload seam builds that optimizer)
+_RELEASE: set | None = None
+
+
+@contextlib.contextmanager
+def _releasing(params: set):
+    global _RELEASE
+    _RELEASE = params
+    try:
+        yield
+    finally:
+        _RELEASE = None
+
+
+def _copies_to_release(factory, args: tuple, kwargs: dict, config) -> set:
+    """The model parameters of the offloaded share, where megatron will build its bf16 / fp16 optimizer
+    (half precision, no distributed optimizer): the engine's split of the factory's ``param_groups`` —
+    the same parameters in the same order as the optimizer it builds (:class:`OffloadedTorchOptimizer`
+    makes the same choice over their main copies)."""
+    if not (getattr(config, "bf16", False) or getattr(config, "fp16", False)) \
+            or getattr(config, "use_distributed_optimizer", False):
+        return set()
+    groups = inspect.signature(factory).bind(*args, **kwargs).arguments.get("param_groups") or []
+    return choose_offloaded([{"params": list(g["params"])} for g in groups], config.optimizer_offload_fraction)
+
+
+def releasing_main_copies_as_made(original):
+    """Wrap of megatron's ``copy_optimizer_param_metadata``, which its bf16 / fp16 optimizer calls right
+    after making each fp32 main copy: a copy of the offloaded share is released there and then, so the
+    copies never exist all at once (the engine's host master, made from the model parameter the copy was
+    just cloned from, holds the same values). Outside the offload seam's build it only calls megatron's."""
+
+    @functools.wraps(original)
+    def copy_optimizer_param_metadata(destination, source, *args, **kwargs):
+        result = original(destination, source, *args, **kwargs)
+        if _RELEASE and source in _RELEASE and destination.dtype == torch.float32 and source.dtype != torch.float32:
+            _source(destination).untyped_storage().resize_(0)
+        return result
+
+    return copy_optimizer_param_metadata
 
 
 def _main_copies(optimizer) -> dict:
@@ -385,8 +434,15 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
             [{**_hyper(group), "params": [self.locals[p] for p in group["params"]]} for group in self.param_groups],
             optimizer_class, offload_fn=lambda q, _group: q in offloaded, pin_memory=pin_memory,
             grad_attr="decoupled_grad" if self.hosted else "grad")
+        for main in model_params or {}:
+            if main not in self.hosted and _source(main).untyped_storage().nbytes() == 0:
+                raise RuntimeError(f"--optimizer-cpu-offload: the fp32 main copy of a parameter of shape "
+                                   f"{tuple(main.shape)} was released as made, but the engine steps it on the "
+                                   f"device (megatron's optimizer holds other parameters than the factory's "
+                                   f"param_groups)")
         for main in self.hosted:
-            self.engine.masters[self.locals[main]].copy_(_source(main))  # the fp32 values, not the model's
+            # released as megatron made it (releasing_main_copies_as_made), else here; the master was made
+            # from the model parameter, of which the copy is an fp32 clone — the same values
             _source(main).untyped_storage().resize_(0)
         self._hosted_views: dict = {}  # main copy -> its master as megatron's checkpoint code sees it
         carried = {p: dict(s) for p, s in inner.state.items() if s}
