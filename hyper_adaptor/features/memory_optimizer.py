@@ -1,6 +1,6 @@
 """The arguments side of megatron's ``--optimizer-cpu-offload`` (feature ``memory``): what ``adjust``
 changes for megatron's ``validate_args`` and what ``validate`` refuses. The seam that serves the flag is
-``hyper_adaptor/patches/memory/optimizer.py``."""
+``hyper_adaptor/patches/memory/optimizer.py`` (and the modules it names)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Rank code for test_optimizer_offload_megatron.py: megatron's --optimizer-cpu-offload served by
-hyper_adaptor's OffloadOptimizer (hyper_adaptor/patches/memory/optimizer.py), on 2 gloo ranks.
+hyper_adaptor's OffloadOptimizer (hyper_adaptor/patches/memory/), on 2 gloo ranks.
 
 The tiny GPT of gpt_parity (same sizes, batches and seed) is trained for 3 Adam steps at DP2 under
 megatron's DDP wrapper or HSDP's, once with megatron's own optimizer and once with the offload seam
@@ -43,7 +43,7 @@ _COPIES_PEAK = [0]
 
 def _count_copies(original):
     """Probe around megatron's copy_optimizer_param_metadata (outside the offload seam's wrap of it)."""
-    from hyper_adaptor.patches.memory.optimizer import _source
+    from hyper_adaptor.patches.memory.torch_optimizer import local_tensor as _source
 
     def copy_optimizer_param_metadata(destination, source, *args, **kwargs):
         if destination.dtype == torch.float32 and source.dtype != torch.float32:
@@ -175,7 +175,7 @@ def _accounting(optimizer) -> dict:
         out["half_shard_elements"] = sum(p.numel() for g in wrapper.shard_float16_groups for p in g)
     copies = getattr(wrapper, "fp32_from_float16_groups", None)
     if copies is not None:  # megatron's bf16 / fp16 optimizer's fp32 main copies: bytes their storages hold
-        from hyper_adaptor.patches.memory.optimizer import _source
+        from hyper_adaptor.patches.memory.torch_optimizer import local_tensor as _source
 
         out["fp32_main_bytes"] = sum(_source(m).untyped_storage().nbytes() for g in copies for m in g)
         out["half_elements"] = sum(_source(p).numel() for g in wrapper.float16_groups for p in g)
@@ -208,7 +208,7 @@ def train(run: dict) -> dict:
         _MADE.clear()
         _COPIES_PEAK[0] = 0
         config, chunk, optimizer = _build(run)
-        from hyper_adaptor.patches.memory.optimizer import _source
+        from hyper_adaptor.patches.memory.torch_optimizer import local_tensor as _source
 
         copies = {"copies_peak_bytes": _COPIES_PEAK[0],  # a copy's bytes: its local shard's under HSDP
                   "largest_copy_bytes": max((_source(d).numel() * 4 for d in _MADE), default=0)}

@@ -1,5 +1,5 @@
 """megatron's --optimizer-cpu-offload served by hyper_adaptor's OffloadOptimizer
-(hyper_adaptor/patches/memory/optimizer.py), 2 gloo ranks, one world for every check
+(hyper_adaptor/patches/memory/), 2 gloo ranks, one world for every check
 (tests/distributed/optimizer_offload_checks.py).
 
 gpt_parity's tiny GPT, 3 Adam steps at DP2, with megatron's own optimizer and with the offload seam:

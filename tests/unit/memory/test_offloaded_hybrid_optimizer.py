@@ -1,4 +1,4 @@
-"""OffloadedHybridOptimizer (hyper_adaptor/patches/memory/optimizer.py) on its own, one process: the class
+"""OffloadedHybridOptimizer (hyper_adaptor/patches/memory/hybrid_optimizer.py) on its own, one process: the class
 megatron's distributed optimizer builds for --use-precision-aware-optimizer --optimizer-cpu-offload.
 bf16 parameter shards with fp32 ``decoupled_grad``, as megatron hands them over; megatron's whole path
 (bitwise against its plain bf16 distributed optimizer, checkpoints) is in
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_adaptor.patches.memory.optimizer import OffloadedHybridOptimizer
+from hyper_adaptor.patches.memory.hybrid_optimizer import OffloadedHybridOptimizer
 
 SIZES = (96, 40, 7)
 # what megatron's factory passes its CPU-offload optimizer (apex / TE style Adam arguments included)
