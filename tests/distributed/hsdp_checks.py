@@ -441,12 +441,7 @@ def _collective_paths() -> dict:
     def all_gather(inputs, me, group, async_op, as_all_to_all):
         shard = inputs[me][:7].clone()
         out = torch.empty(7 * len(inputs), dtype=shard.dtype)
-        pool.free.clear()
-        work = _bucket.all_gather(out, shard, group, async_op, pool, as_all_to_all)
-        if as_all_to_all:
-            work = _Waited(work)  # the one send buffer serves every peer: nothing repeated, nothing pooled
-            if pool.free:
-                problems.append(f"ag: the exchange took a pooled buffer: {pool.reserved_bytes()} B")
+        work = _bucket.all_gather(out, shard, group, async_op, as_all_to_all)
         return out, work, torch.cat([t[:7].float() for t in inputs])
 
     used = {}

@@ -117,8 +117,7 @@ def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, async_op: bool,
     return dist.reduce_scatter_tensor(out, send, group=group, async_op=async_op)
 
 
-def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, pool: HostBufferPool,
-               as_all_to_all: bool):
+def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, as_all_to_all: bool):
     """``recv`` (S chunks, rank-major) := every member's ``send``; returns a handle to wait on when
     ``async_op``.
 
@@ -130,7 +129,7 @@ def all_gather(recv: torch.Tensor, send: torch.Tensor, group, async_op: bool, po
     buffer serves every peer; ``all_to_all_single``, used before, needed the shard repeated S times in a
     buffer as large as ``recv`` (a whole bucket more at the step's peak, issue 18), and was slower
     (4 gloo ranks on the 2-core CI box, 3 MiB / 13 MiB gathered: 2.1 / 9.7 ms against 3.0 / 15.4 ms,
-    ring all_gather_into_tensor 4.4 / 16.4 ms). ``pool`` is not used (kept for the signature)."""
+    ring all_gather_into_tensor 4.4 / 16.4 ms). It takes no buffer of its own, so no ``pool``."""
     if as_all_to_all and _on_gloo_cpu(send, group):
         me, S = dist.get_rank(group), dist.get_world_size(group)
         chunks = recv.view(S, -1)
@@ -291,8 +290,7 @@ class _GatherRun:
             b.comm_bytes += head.S * b.L * send.element_size()
             offset += b.L
         self.recv = head.pool.take(head.S * total, head.compute_dtype, head.device)
-        self.work = all_gather(self.recv, send, head.mesh.shard_group, True, head.pool,
-                               head.config.gloo_all_gather_as_all_to_all)
+        self.work = all_gather(self.recv, send, head.mesh.shard_group, True, head.config.gloo_all_gather_as_all_to_all)
         self.launched = True
 
     def complete(self) -> None:

@@ -21,7 +21,7 @@ OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 # default stays well above where that cost begins while bounding every model larger than it. Every
 # transient communication buffer of HSDP is at most one bucket (a single parameter larger than it goes
 # alone), so the bucket is also what HSDP adds to the peak memory of a step beyond the model state:
-# about two buckets (four at level 3 in backward, see _bucket.py).
+# about two buckets (about three at level 3 in backward, see _bucket.py).
 DEFAULT_BUCKET_KB = 25 * 1024
 
 
