@@ -137,6 +137,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
             self._group_links.append((group, d, h))
         self.device_optimizer = optimizer_class(device_groups) if device_groups else None
         self.host_optimizer = optimizer_class(host_groups) if host_groups else None
+        # device-stepped parameters stepped as they are (no master), whose gradient ``grad_attr`` names
+        self._stepped_as_they_are = [] if grad_attr == "grad" else [
+            p for group in self.param_groups for p in group["params"]
+            if p not in chosen and p not in self.device_masters]
 
     def _master(self, p: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(p.dtype, torch.float32)
@@ -202,14 +206,10 @@ class OffloadOptimizer(torch.optim.Optimizer):
         for p, master in self.device_masters.items():
             grad = self.grad_of(p)
             master.grad = None if grad is None else grad.to(master.dtype)
-        if self.grad_attr != "grad" and self.device_optimizer is not None:
-            stepped_masters = {id(m) for m in self.device_masters.values()}
-            for group in self.device_optimizer.param_groups:  # stepped as they are: the gradient beside them
-                for p in group["params"]:
-                    if id(p) not in stepped_masters:
-                        grad = self.grad_of(p)
-                        if grad is not None and grad is not p.grad:
-                            p.grad = grad
+        for p in self._stepped_as_they_are:  # the gradient beside them, where the device optimizer reads it
+            grad = self.grad_of(p)
+            if grad is not None and grad is not p.grad:
+                p.grad = grad
         if self.masters and platform.copies_are_async(self._device_type()):
             platform.synchronize()  # the gradients are on the host before the host step reads them
         if self.device_optimizer is not None:

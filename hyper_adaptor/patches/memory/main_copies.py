@@ -114,7 +114,7 @@ def refreshing_hosted_masters(original):
     def _copy_model_params_to_main_params(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         if _hosted(self):
-            self.optimizer.refresh_hosted_masters()
+            self.optimizer.engine.refresh_masters()  # a released copy's master from its model parameter
         return result
 
     return _copy_model_params_to_main_params

@@ -188,12 +188,6 @@ class OffloadedTorchOptimizer(torch.optim.Optimizer):
             self._hosted_views[main] = view
         return view
 
-    def refresh_hosted_masters(self) -> None:
-        """The host masters of released main copies take their model parameters' values (what megatron's
-        ``_copy_model_params_to_main_params`` does for the main copies it still has)."""
-        for main, model in self.hosted.items():
-            self.engine.masters[self.locals[main]].copy_(local_tensor(model))
-
     def offloaded_share(self) -> float:
         """The share of this optimizer's parameter elements whose state and master live on the host."""
         return self.engine.offloaded_share()
