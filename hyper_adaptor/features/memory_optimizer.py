@@ -32,8 +32,7 @@ def adjust(args) -> list[str]:
         notices.append(switch(args, "use_precision_aware_optimizer", False,
                               "--optimizer-cpu-offload is served by hyper_adaptor's host optimizer, which keeps "
                               "fp32 master weights and moments itself"))
-    half = getattr(args, "bf16", False) or getattr(args, "fp16", False)
-    if half and getattr(args, "use_distributed_optimizer", False) \
+    if _half(args) and getattr(args, "use_distributed_optimizer", False) \
             and not getattr(args, "use_precision_aware_optimizer", False):
         notices.append("--optimizer-cpu-offload --use-distributed-optimizer with --bf16 / --fp16: megatron's fp32 "
                        "main shards stay on the device (4 bytes per element of the rank's shard); "
@@ -49,7 +48,7 @@ def serves_precision_aware(args) -> bool:
     optimizer is Adam only), megatron's own DDP (not ``--use-hsdp``). Elsewhere it would only add
     megatron's requirements (the distributed optimizer, Adam) to a case the other path serves."""
     return bool(getattr(args, "use_distributed_optimizer", False)
-                and (getattr(args, "bf16", False) or getattr(args, "fp16", False))
+                and _half(args)
                 and getattr(args, "optimizer", "adam") == "adam"
                 and not getattr(args, "use_hsdp", False))
 
@@ -71,7 +70,7 @@ def validate(args) -> None:
                          if not _is_fp32(getattr(args, dest, None)))
         raise FeatureConfigError(f"--optimizer-cpu-offload keeps fp32 master weights and moments on the host; "
                                  f"{given} (precision-aware optimizer dtypes) cannot be served with it")
-    if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) and getattr(args, "qk_clip", False) \
+    if _half(args) and getattr(args, "qk_clip", False) \
             and not getattr(args, "use_distributed_optimizer", False):
         raise FeatureConfigError("--optimizer-cpu-offload with --bf16 / --fp16 keeps the fp32 main copies of the "
                                  "offloaded parameters on the host only; --qk-clip rewrites those copies on the "
@@ -82,6 +81,10 @@ def validate(args) -> None:
         if getattr(args, dest, False):
             raise FeatureConfigError(f"--optimizer-cpu-offload cannot be combined with {flag} (served with megatron's "
                                      f"DDP, --use-distributed-optimizer and --use-hsdp)")
+
+
+def _half(args) -> bool:
+    return bool(getattr(args, "bf16", False) or getattr(args, "fp16", False))
 
 
 def _is_fp32(value) -> bool:
