@@ -12,7 +12,8 @@
 #            the image's torch version, not of CUDA (docs/gpu.md lists what it found on torch 2.11)
 #   memory   bench/memory.py on CUDA (max_memory_allocated, swap + prefetch vs save_on_cpu)
 #   ops      bench/ops.py on CUDA, fp32 and bf16
-#   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096): the swap step-time target
+#   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096), fp32 and bf16: the swap
+#            step-time target
 #
 # The default stages take about 7 minutes on an H100 and write 8 files; where one call is limited (10
 # minutes, 8 files back), split it if needed: STAGES="gpu memory ops", then STAGES="memory-large".
@@ -68,5 +69,6 @@ if [[ -n "${UNIT_PID:-}" ]]; then
 fi
 stage memory 60 "$PYTHON" bench/memory.py --json "$OUT/memory-cuda.json"
 stage ops 150 bash -c "'$PYTHON' bench/ops.py --json '$OUT/ops-cuda.json' && '$PYTHON' bench/ops.py --dtype bf16 --json '$OUT/ops-cuda-bf16.json'"
-stage memory-large 240 "$PYTHON" bench/memory.py --layers 4 --hidden 2048 --heads 16 --seq 4096 --batch 2 \
-  --rounds 5 --threads 16 --json "$OUT/memory-cuda-large.json"
+LARGE="--layers 4 --hidden 2048 --heads 16 --seq 4096 --batch 2 --rounds 5 --threads 16"
+stage memory-large 240 bash -c "'$PYTHON' bench/memory.py $LARGE --json '$OUT/memory-cuda-large.json' && \
+  '$PYTHON' bench/memory.py $LARGE --dtype bf16 --activations-only --json '$OUT/memory-cuda-large-bf16.json'"

@@ -29,6 +29,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not torch.cuda.is_available(),
 ROOT = Path(__file__).resolve().parents[2]
 ITERS = 5
 MAX_ALLOCATED = re.compile(r"max allocated: ([0-9.]+)")
+# megatron's memory report after an iteration: what stays allocated between steps (parameters, gradients,
+# optimizer state, main copies), in MiB; the peak ("max allocated") of these small runs is the first
+# iteration's activations, reached before the optimizer has created any state
+ALLOCATED = re.compile(r"\| allocated: ([0-9.]+)")
+PARAMETERS = re.compile(r"number of parameters on \(tensor, [a-z_, ]*pipeline\) model parallel rank [(0-9, )]*: (\d+)")
 MODEL = (
     "--num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 1024 --seq-length 512 "
     "--max-position-embeddings 512 --position-embedding-type rope --normalization RMSNorm --swiglu "
@@ -110,14 +115,19 @@ def runs(tmp_path_factory):
         log.close()
         output = (work / f"{name}.log").read_text()
         allocated = [float(v) for v in MAX_ALLOCATED.findall(output)]
+        steady = [float(v) for v in ALLOCATED.findall(output)]
+        parameters = PARAMETERS.findall(output)
         results[name] = dict(rc=proc.returncode, output=output,
                              loss={int(i): float(v) for i, v in LOSS.findall(output)},
                              grad_norm={int(i): float(v) for i, v in GRAD_NORM.findall(output)},
-                             max_allocated_mb=max(allocated) if allocated else None)
-    print("\nrun | losses | grad norms | megatron's max allocated MB (first iterations)")
+                             max_allocated_mb=max(allocated) if allocated else None,
+                             allocated_mb=steady[-1] if steady else None,
+                             parameters=int(parameters[0]) if parameters else None)
+    print("\nrun | losses | grad norms | megatron's max allocated MB | allocated between steps MB")
     for name, r in results.items():
         print(f"{name} | rc {r['rc']} | {[r['loss'].get(i) for i in range(1, ITERS + 1)]} | "
-              f"{[r['grad_norm'].get(i) for i in range(1, ITERS + 1)]} | {r['max_allocated_mb']}")
+              f"{[r['grad_norm'].get(i) for i in range(1, ITERS + 1)]} | {r['max_allocated_mb']} | "
+              f"{r['allocated_mb']}")
     return results
 
 
@@ -163,17 +173,34 @@ def test_swap_attention_lowers_the_peak(runs):
                                                                     want["max_allocated_mb"])
 
 
+def saved_between_steps(results, run, reference, bytes_per_parameter):
+    """``run`` keeps at least 90 % of ``bytes_per_parameter`` bytes per model parameter less allocated
+    between steps than ``reference`` (megatron's report after an iteration, MiB)."""
+    got, want = ok(results, run), ok(results, reference)
+    assert got["parameters"] and got["allocated_mb"] is not None and want["allocated_mb"] is not None, run
+    saved_mib = want["allocated_mb"] - got["allocated_mb"]
+    expected_mib = bytes_per_parameter * got["parameters"] / 2**20
+    assert saved_mib >= 0.9 * expected_mib, (run, reference, saved_mib, expected_mib)
+    return got
+
+
+def test_offload_keeps_adams_moments_off_the_device(runs):
+    # Adam's two fp32 moments: 8 bytes per element stay on the host (measured on an H200: 36.0 of 36.0 MiB)
+    saved_between_steps(runs, "offload", "level2_distopt", 8)
+    saved_between_steps(runs, "offload_bf16", "level2_bf16_distopt", 8)
+
+
 def test_precision_aware_offload_keeps_fp32_main_copies_off_the_device(runs):
     # the same run without --use-precision-aware-optimizer keeps megatron's fp32 main shards (4 bytes per
-    # element) on the device; with it they do not exist (the fp32 masters are on the host)
-    got, want = ok(runs, "offload_bf16_precision_aware"), ok(runs, "offload_bf16")
-    assert got["max_allocated_mb"] < want["max_allocated_mb"], (got["max_allocated_mb"], want["max_allocated_mb"])
+    # element) on the device; with it they do not exist (the fp32 masters are on the host). Measured on an
+    # H200 (2026-11-26): 17.0 of the 18.0 MiB; the peak ("max allocated") is the first iteration's
+    # activations in these runs and says nothing about optimizer state.
+    got = saved_between_steps(runs, "offload_bf16_precision_aware", "offload_bf16", 4)
     assert "no fp32 main copies beside the parameters" in got["output"]
 
 
 def test_bf16_offload_releases_megatrons_fp32_main_copies_on_the_device(runs):
     # without the flag megatron's bf16 optimizer keeps fp32 main copies (4 bytes per element) and Adam's
     # moments (8) on the device; with it both live on the host
-    got, want = ok(runs, "offload_bf16_float16"), ok(runs, "level2_bf16")
-    assert got["max_allocated_mb"] < want["max_allocated_mb"], (got["max_allocated_mb"], want["max_allocated_mb"])
+    got = saved_between_steps(runs, "offload_bf16_float16", "level2_bf16", 12)
     assert "fp32 main copies of" in got["output"] and "live on the host only" in got["output"]
