@@ -12,11 +12,11 @@
 #            the image's torch version, not of CUDA (docs/gpu.md lists what it found on torch 2.11)
 #   memory   bench/memory.py on CUDA (max_memory_allocated, swap + prefetch vs save_on_cpu)
 #   ops      bench/ops.py on CUDA, fp32 and bf16
-#   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096), fp32 and bf16: the swap
-#            step-time target
+#   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096, fp32 and bf16; hidden 4096
+#            bf16): the swap step-time target (about 90 s on an H200)
 #
-# The default stages take about 7 minutes on an H100 and write 8 files; where one call is limited (10
-# minutes, 8 files back), split it if needed: STAGES="gpu memory ops", then STAGES="memory-large".
+# The default stages take about 8 minutes on an H100 or H200 and write 10 files; where one call is limited (10
+# minutes, 8 files back), split it: STAGES="gpu memory ops" (6 files), then STAGES="memory-large" (4).
 #
 # The multi-rank benches (hsdp, pipeline, context_parallel) need one device per rank (NCCL refuses two
 # ranks on one GPU), so a one-GPU machine does not run them.
@@ -71,4 +71,6 @@ stage memory 60 "$PYTHON" bench/memory.py --json "$OUT/memory-cuda.json"
 stage ops 150 bash -c "'$PYTHON' bench/ops.py --json '$OUT/ops-cuda.json' && '$PYTHON' bench/ops.py --dtype bf16 --json '$OUT/ops-cuda-bf16.json'"
 LARGE="--layers 4 --hidden 2048 --heads 16 --seq 4096 --batch 2 --rounds 5 --threads 16"
 stage memory-large 240 bash -c "'$PYTHON' bench/memory.py $LARGE --json '$OUT/memory-cuda-large.json' && \
-  '$PYTHON' bench/memory.py $LARGE --dtype bf16 --activations-only --json '$OUT/memory-cuda-large-bf16.json'"
+  '$PYTHON' bench/memory.py $LARGE --dtype bf16 --activations-only --json '$OUT/memory-cuda-large-bf16.json' && \
+  '$PYTHON' bench/memory.py --layers 4 --hidden 4096 --heads 32 --seq 4096 --batch 1 --rounds 5 --threads 16 \
+    --dtype bf16 --activations-only --json '$OUT/memory-cuda-h4096-bf16.json'"
