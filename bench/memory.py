@@ -12,8 +12,9 @@ The stack: L pre-norm GPT layers of plain torch modules (LayerNorm, qkv Linear, 
 bf16``: parameters and activations in bf16, the loss in fp32), one
 micro-batch [b, s, h], loss = mean of the squared output, forward + backward (+ an optimizer step in the
 optimizer rows). Every configuration starts from a copy of the same seeded weights and the same input;
-its loss and gradients are compared with ``none``'s (``max |diff|``: swap and save_on_cpu must be 0,
-recompute within 1e-6 relative).
+its loss and gradients are compared with ``none``'s (``max |diff|``: on cpu swap and save_on_cpu must be
+0, recompute within 1e-6 relative; on cuda, without deterministic kernels, the attention backward's
+run-to-run variation shows in every row, none's own rerun included — tests/gpu checks swap bitwise).
 
 Configurations (per layer i, wrappers from hyper_adaptor.memory):
 * ``none``: nothing;
@@ -307,7 +308,7 @@ def max_rel_diff(a: list, b: list) -> float:
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item() for x, y in zip(a, b))
 
 
-def activation_rows(args, device) -> tuple[list, float]:
+def activation_rows(args, device) -> list:
     base = build(args, device)
     x = torch.randn(args.batch, args.seq, args.hidden, generator=torch.Generator().manual_seed(1)).to(
         device, DTYPES[args.dtype])
@@ -338,7 +339,7 @@ def activation_rows(args, device) -> tuple[list, float]:
             "grad_max_rel_diff": max_rel_diff(m["grads"], ref["grads"]),
             "method": m["method"],
         })
-    return rows, ref["device_activation_bytes"]
+    return rows
 
 
 def optimizer_rows(args, device) -> list:
@@ -409,13 +410,13 @@ def run(args) -> dict:
     device = platform.device_type()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows, _ = activation_rows(args, device)
+    rows = activation_rows(args, device)
     bandwidth = copy_bandwidth(device)
     for r in rows:  # the least a step that moves these bytes out and back can take over this link
         r["copy_floor_s"] = None if not (bandwidth and r["moved_bytes"]) else (
             r["moved_bytes"] / (bandwidth["device_to_host_gb_s"] * 1e9)
             + r["moved_bytes"] / (bandwidth["host_to_device_gb_s"] * 1e9))
-    none_forward_end = rows[0]["forward_end_bytes"]
+    none_forward_end = next(r for r in rows if r["config"] == "none")["forward_end_bytes"]
     opt_rows = [] if args.activations_only else optimizer_rows(args, device)
     swap_all = next(r for r in rows if r["config"] == "swap-all+prefetch")
     return {
