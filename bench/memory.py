@@ -14,7 +14,8 @@ micro-batch [b, s, h], loss = mean of the squared output, forward + backward (+ 
 optimizer rows). Every configuration starts from a copy of the same seeded weights and the same input;
 its loss and gradients are compared with ``none``'s (``max |diff|``: on cpu swap and save_on_cpu must be
 0, recompute within 1e-6 relative; on cuda, without deterministic kernels, the attention backward's
-run-to-run variation shows in every row, none's own rerun included — tests/gpu checks swap bitwise).
+run-to-run variation shows in every row, save_on_cpu and recompute included — tests/gpu checks swap
+bitwise).
 
 Configurations (per layer i, wrappers from hyper_adaptor.memory):
 * ``none``: nothing;
