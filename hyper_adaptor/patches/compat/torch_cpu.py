@@ -15,7 +15,9 @@ tensor-parallel RNG tracker. Here ``torch.cuda`` answers as one emulated device 
   on factory calls;
 * streams and events are host no-ops (CPU kernels run synchronously);
 * RNG: the "cuda" generator *is* the CPU default generator, so that forking it really changes what
-  dropout draws.
+  dropout draws;
+* collectives: gloo, the host's backend, refuses gather / scatter shapes that NCCL takes and megatron
+  passes (see gloo_collectives.py).
 
 ``torch.cuda.is_available()`` keeps saying False: torch itself and user code keep their CPU paths.
 """
@@ -31,6 +33,7 @@ import torch
 
 from hyper_adaptor import platform
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.compat import gloo_collectives
 
 FEATURE = "compat"
 _CPU = torch.device("cpu")
@@ -220,7 +223,8 @@ def torch_patches() -> list[Patch]:
         # devices (compute capability < 10, which the host reports); on the host it means nothing.
         Patch("os.environ.CUDA_DEVICE_MAX_CONNECTIONS", "1", "item", FEATURE),
     ]
-    return patches
+    # gloo is the host's collective backend: the shapes it refuses but megatron passes
+    return patches + gloo_collectives.patches()
 
 
 # --- legacy type names ---------------------------------------------------------------------------
