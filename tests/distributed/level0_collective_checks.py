@@ -56,7 +56,10 @@ def level0_wraps_off():
         if not hasattr(dist, name):
             continue
         wrapper = getattr(dist, name)
-        original = adaptor.ADAPTOR.manager.original(f"torch.distributed.{name}")
+        try:
+            original = adaptor.ADAPTOR.manager.original(f"torch.distributed.{name}")
+        except KeyError:  # not wrapped here: nothing to take off
+            continue
         namespaces = [vars(dist)] + [vars(m) for n, m in list(sys.modules.items())
                                      if n.startswith("megatron.") and m is not None]
         for namespace in namespaces:
@@ -202,8 +205,13 @@ def _checks(rank, tp_group, world_size):
         # a column slice: the parts are not contiguous
         wide = torch.zeros(sum(sizes), 3)
         dist.all_gather(list(torch.split(wide[:, 1:], sizes)), tensor, group=tp_group)
+        # the layer-wise optimizer's form: flat slices of uneven size, this rank's slot the input itself
+        flat = tensor.reshape(-1).clone()
+        slots = [flat if r == tp_rank else torch.empty(2 * size) for r, size in enumerate(sizes)]
+        dist.all_gather(slots, flat, group=tp_group)
         expected = _reference_gather(tensor, tp_group)
-        return torch.equal(out, expected) and torch.equal(wide[:, 1:], expected) and not wide[:, 0].any()
+        return (torch.equal(out, expected) and torch.equal(wide[:, 1:], expected) and not wide[:, 0].any()
+                and torch.equal(torch.cat(slots), expected.reshape(-1)))
 
     for fn in (gather_split_1d_megatron_test, split_gather_1d_round_trip, gather_first_dim_odd_shape,
                gather_first_dim_uneven, sequence_parallel_gather_uneven_with_backward,
