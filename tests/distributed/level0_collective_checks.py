@@ -74,7 +74,7 @@ def level0_wraps_off():
             namespace[key] = wrapper
 
 
-def _checks(rank, tp_group, world_size):
+def _checks(rank, tp_group):
     """name -> callable returning True when megatron's result equals the reference."""
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import utils as tp_utils
@@ -240,7 +240,7 @@ def megatron_collectives(rank: int, world_size: int) -> dict:
     result = {}
     for tp in sorted({2, world_size}):
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=world_size // tp)
-        checks = _checks(rank, ps.get_tensor_model_parallel_group(), world_size)
+        checks = _checks(rank, ps.get_tensor_model_parallel_group())
         fixed = _run(checks)
         with level0_wraps_off():
             unfixed = _run(checks)
