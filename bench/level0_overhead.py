@@ -1,69 +1,14 @@
-"""Level-0 overhead on CPU: a megatron-core GPT training step under the adaptor's full level 0,
-against the same step under only the patches Megatron needs to run on this machine at all.
+"""Level-0 overhead on CPU: a megatron-core GPT training step under the adaptor's full level 0, against the
+same step under only the patches megatron needs to run on this machine at all (``MINIMUM_TARGETS``).
 
-Run from the repository root::
+Run from the repository root (docs/features/level0-compat.md says what is compared, how, and why)::
 
-    python bench/level0_overhead.py                 # default, about 2 minutes on 2 cores
-    python bench/level0_overhead.py --quick         # smoke run, about 20 s
-    python bench/level0_overhead.py --find-minimum  # re-derive MINIMUM_TARGETS (about 1 minute)
+    python bench/level0_overhead.py                 # 20 interleaved rounds of 5 timed steps
+    python bench/level0_overhead.py --quick         # smoke run (4 rounds of 3)
+    python bench/level0_overhead.py --find-minimum  # re-derive MINIMUM_TARGETS
 
-What is compared
-----------------
-Level 0 ("compat") is everything ``import hyper_adaptor.megatron_adaptor`` applies so that megatron
-runs unchanged here: on CPU the ``torch.cuda`` emulation of ``patches/compat/torch_cpu.py: torch_patches()``
-plus ``patches/compat/megatron_core.py: patches()`` and ``patches/compat/megatron_training.py:
-patches()`` — the list ``features.compat.Compat.patches()`` returns — and the RNG log filter that
-``Adaptor.bootstrap`` installs next to them. Some of those patches are *necessary*: without them
-megatron-core cannot build or step a model on a CPU-only torch at all (``torch.cuda.current_device()``
-asserts, ``device="cuda"`` factories raise, ...). Any CPU port has to pay for those in some form,
-so they are not overhead of this adaptor; they are the anchor. The rest — the wrappers that map
-devices on every tensor factory, the RNG fixes that make forking real, the type-name view around
-the optimizer, the argument checks and notices — is what level 0 adds on top, and that is what the
-ratio ``median(full level 0) / median(minimum)`` measures.
-
-The minimum set (MINIMUM_TARGETS below) is found empirically, not chosen: ``--find-minimum``
-starts from the full level-0 list and removes the patches one at a time, in list order; a patch
-stays out when, without it, the same model still builds and trains two steps without an
-exception and with a finite loss (initialising megatron's model-parallel state, building the GPT,
-DDP and optimizer, and stepping are all done under the candidate set). This greedy pass leaves a
-set that runs and from which no single patch can be dropped. Because the search runs in one process
-(where a cache filled earlier could hide a need), the result is then checked again in a fresh
-process that applies nothing but the minimum before it imports megatron's model code. The search
-prints the reason each kept patch is needed — the error megatron raises without it.
-
-"Runs" means: no exception, a finite loss, and no per-step growth of ``torch.cuda``'s deferred-call
-queue. That last point is why ``_set_cuda_rng_state`` is in the minimum: without it megatron queues
-the RNG restore of every ``get_cuda_rng_tracker().fork()`` through ``torch.cuda._lazy_call``, which on
-a CPU build never runs; the step "works" but the queue (with a stack trace per call) grows without
-bound, so no real run could go on for long. A patch whose absence only makes results wrong would
-otherwise not be in the minimum.
-
-Found on 2026-11-23 with megatron-core 0.19.2, torch 2.13.0+cpu, Python 3.11.7, the model below
-(local spec, TP1 PP1, world of one, gloo): 8 of the 69 level-0 patches, listed in MINIMUM_TARGETS
-with the error megatron raises without each (``--find-minimum`` took 10 minutes on 2 cores).
-
-How it is measured
-------------------
-One process, world of one (gloo), TP1 PP1. The model, DDP wrapper and optimizer are built once,
-under the full level-0 set, and reused by both configurations: the two then run on the very same
-tensors and buffers, so the only difference between them is which patches are active *during the
-step* — the per-step cost this benchmark is about (what level 0 costs at build time is paid once per
-run, and a model built under the minimum set would differ only in where its buffers happen to lie
-in memory). Nothing built keeps a reference to a patched function: megatron looks ``torch.cuda.*``
-and the factories up at call time, and device arguments are stored as plain ``0`` / ``"cpu"``.
-
-After a warm-up under each configuration, rounds alternate the two (apply minimum, time ``--steps``
-steps, undo, apply full, time ``--steps`` steps, undo; odd rounds run the full set first) so that
-machine drift and order effects fall on both alike. The first step after each switch is not
-timed. A step is what megatron.training's ``train_step`` does with a megatron-core model:
-``zero_grad_buffer``, ``optimizer.zero_grad``, ``get_forward_backward_func()(...)`` over the
-micro-batches (forward, backward, DDP grad finalisation) and ``optimizer.step()`` (Adam,
-clip_grad=1.0). The reported figure per configuration is the median over all timed steps (p10 and
-p90 beside it), and the ratio is full / minimum. Target: ratio <= 1.03.
-
-``main(argv)`` returns the result dict (the JSON that is written), so a test can run ``--quick``
-in a subprocess-free way — but never in a process that has imported ``hyper_adaptor.megatron_adaptor``
-(that one has level 0 applied for good, so there is no minimum to compare against).
+``main(argv)`` returns the result (the JSON it writes); never call it in a process that has imported
+``hyper_adaptor.megatron_adaptor``: level 0 is applied there for good, so there is no minimum to compare.
 """
 
 from __future__ import annotations
@@ -76,7 +21,6 @@ import json
 import logging
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -90,10 +34,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/level0_overhead.py` puts bench/ first, not the root
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import _results as bench_results  # noqa: E402
 from hyper_adaptor import platform as ha_platform  # noqa: E402
 from hyper_adaptor.patch_manager import Patch, PatchManager  # noqa: E402
 from hyper_adaptor.patches.compat import imports as compat_imports  # noqa: E402
+from hyper_adaptor.testing.measure import (add_preset_options, free_port, machine, preset, quick_json,  # noqa: E402
+                                           write)
 
 TARGET_RATIO = 1.03
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "level0_overhead.json"
@@ -132,12 +77,6 @@ QUICK = {"steps": 3, "rounds": 4, "warmup": 1}
 
 
 # --- set-up ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bootstrap() -> None:
     """What Adaptor.bootstrap does before it patches: the import shims and the device choice."""
     if "hyper_adaptor.megatron_adaptor" in sys.modules:
@@ -204,7 +143,7 @@ def _init_distributed() -> bool:
 
     if dist.is_initialized():
         return False
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     return True
 
@@ -495,7 +434,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     return {
         "benchmark": "level0_overhead",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": bench_results.machine(),
+        "machine": machine(),
         "settings": {
             "steps_per_round": steps, "rounds": rounds, "warmup_steps_per_config": warmup,
             "model": {"hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "layers": LAYERS, "seq": SEQ,
@@ -544,13 +483,8 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per config per round "
-                        f"(default {DEFAULTS['steps']}, --quick {QUICK['steps']})")
-    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds "
-                        f"(default {DEFAULTS['rounds']}, --quick {QUICK['rounds']})")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per config")
+    add_preset_options(parser, DEFAULTS, QUICK)
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON result")
-    parser.add_argument("--quick", action="store_true", help="short smoke run (~20 s)")
     parser.add_argument("--find-minimum", action="store_true",
                         help="re-derive the minimum patch set (prints it; paste into MINIMUM_TARGETS)")
     parser.add_argument("--threads", type=int, default=None,
@@ -577,14 +511,10 @@ def main(argv: list[str] | None = None) -> dict:
               f'{len(found["targets"])} of {found["level0_count"]} level-0 patches')
         return found
 
-    preset = QUICK if args.quick else DEFAULTS
-    steps = args.steps if args.steps is not None else preset["steps"]
-    rounds = args.rounds if args.rounds is not None else preset["rounds"]
-    warmup = args.warmup if args.warmup is not None else preset["warmup"]
-    result = measure(steps, rounds, warmup)
+    result = measure(**preset(args, DEFAULTS, QUICK))
     result["settings"]["quick"] = args.quick
     print(format_table(result))
-    bench_results.write(result, Path(args.json))
+    write(result, quick_json(args.json, args.quick))
     return result
 
 
