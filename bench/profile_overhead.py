@@ -29,7 +29,7 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/profile_overhead.py` puts be
     sys.path.insert(0, str(REPO_ROOT))
 
 import hyper_adaptor.megatron_adaptor  # noqa: E402,F401  (level 0, as in a real run)
-from bench import level0_overhead as model_bench  # noqa: E402
+from bench import _gpt_step as model_bench  # noqa: E402
 from hyper_adaptor.patches.profiling import window as profile_window  # noqa: E402
 from hyper_adaptor.testing.measure import add_preset_options, machine, preset, quick_json, write  # noqa: E402
 
@@ -88,8 +88,8 @@ def _segment(options, steps, model, optimizer, batches, save_path) -> tuple[list
 
 def measure(steps: int, rounds: int, warmup: int) -> dict:
     load_before = os.getloadavg()
-    created_group = model_bench._init_distributed()
-    model_bench._init_model_parallel()
+    created_group = model_bench.init_distributed()
+    model_bench.init_model_parallel()
     _, model, optimizer = model_bench.build_training()
     batches = model_bench.make_batches()
     scratch = tempfile.mkdtemp(prefix="profile_overhead_")
@@ -125,7 +125,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     base = statistics.median(times["off"])
     configs = {}
     for name in names:
-        configs[name] = dict(model_bench._summary(times[name]), ratio=statistics.median(times[name]) / base,
+        configs[name] = dict(model_bench.summary(times[name]), ratio=statistics.median(times[name]) / base,
                              ratio_per_round_median=statistics.median(r["ratio"][name] for r in per_round),
                              close_ms=statistics.median(closes[name]) * 1e3,
                              trace_mb=statistics.median(sizes[name]) / 2**20,
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", default=None, help="where to write the JSON result")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    model_bench._sink_fork_warning()
+    model_bench.sink_fork_warning()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     if args.threads is not None:
