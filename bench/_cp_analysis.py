@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from hyper_adaptor.testing.measure import mib, target_lines, machine_line
+from hyper_adaptor.testing.measure import machine_line, mib, target_lines
 
 WORLD = 4
 HYBRID_ULYSSES = 2  # hybrid at CP 4 = 2 (Ulysses) x 2 (ring)

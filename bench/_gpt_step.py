@@ -12,7 +12,7 @@ import torch
 
 from hyper_adaptor.testing.measure import free_port
 
-# The model: sized so that one step (2 micro-batches) takes roughly 50-200 ms on a 2-core CPU.
+# The model: small enough that a step is well under a second on a 2-core CPU, large enough to time.
 HIDDEN = 256
 HEADS = 8
 FFN = 1024

@@ -26,10 +26,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._cp_analysis import (HYBRID_ULYSSES, WORLD, linear_guess, longest_sequence, merge,  # noqa: E402
-                                table, targets)
-from hyper_adaptor.testing.measure import (SENT_BYTES, CollectiveCounter, StorageTracker, machine,  # noqa: E402
-                                           nbytes, report, run_world)
+from bench._cp_analysis import (  # noqa: E402
+    HYBRID_ULYSSES,
+    WORLD,
+    linear_guess,
+    longest_sequence,
+    merge,
+    table,
+    targets,
+)
+from hyper_adaptor.testing.measure import (  # noqa: E402
+    SENT_BYTES,
+    CollectiveCounter,
+    StorageTracker,
+    machine,
+    nbytes,
+    report,
+    run_world,
+)
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "context_parallel.json"
 CP_SIZES = (1, 2, 4)
@@ -333,9 +347,10 @@ def run(args) -> dict:
         "layer": dict(dims, causal=True, load_balanced=True, attention_backend="fast (PyTorch flash kernels)"),
         "seqs": seqs, "warmup": args.warmup, "rounds": args.rounds,
         "budget_bytes": budget, "granule": GRANULE,
-        "memory_method": "storage tracker (hyper_adaptor/testing/measure.py StorageTracker, a TorchDispatchMode): bytes "
-                         "of every storage an operator creates, from creation until a finalizer sees it freed "
-                         "(any thread); peak of the running total over forward+backward. Cross-check "
+        "memory_method": "storage tracker (hyper_adaptor/testing/measure.py StorageTracker, a "
+                         "TorchDispatchMode): bytes of every storage an operator creates, from creation until "
+                         "a finalizer sees it freed (any thread); peak of the running total over "
+                         "forward+backward. Cross-check "
                          "(*_profiler_bytes): torch.profiler profile_memory=True allocator events in time order",
         "comm_method": "torch.distributed functions wrapped; bytes this rank sends in the bandwidth-optimal "
                        "schedule of each collective; point-to-point isends",

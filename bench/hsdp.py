@@ -24,10 +24,27 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench._hsdp_contenders import (ANCHORS, CONTENDERS, DEFAULT_BUCKET_KB, LR, Contender, batch,  # noqa: E402
-                                    configured_theory, make_gpt, theory_comm_bytes, theory_state_bytes)
-from hyper_adaptor.testing.measure import (BUFFER_BYTES, CollectiveCounter, PeakMemory, machine, mib,  # noqa: E402
-                                           report, run_world)
+from bench._hsdp_contenders import (  # noqa: E402
+    ANCHORS,
+    CONTENDERS,
+    DEFAULT_BUCKET_KB,
+    LR,
+    Contender,
+    batch,
+    configured_theory,
+    make_gpt,
+    theory_comm_bytes,
+    theory_state_bytes,
+)
+from hyper_adaptor.testing.measure import (  # noqa: E402
+    BUFFER_BYTES,
+    CollectiveCounter,
+    PeakMemory,
+    machine,
+    mib,
+    report,
+    run_world,
+)
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "hsdp.json"
 WORLD = 4

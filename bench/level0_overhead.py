@@ -37,8 +37,7 @@ from bench import _gpt_step as gpt_step  # noqa: E402
 from hyper_adaptor import platform as ha_platform  # noqa: E402
 from hyper_adaptor.patch_manager import Patch, PatchManager  # noqa: E402
 from hyper_adaptor.patches.compat import imports as compat_imports  # noqa: E402
-from hyper_adaptor.testing.measure import (add_preset_options, machine, preset, quick_json,  # noqa: E402
-                                           write)
+from hyper_adaptor.testing.measure import add_preset_options, machine, preset, quick_json, write  # noqa: E402
 
 TARGET_RATIO = 1.03
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "level0_overhead.json"

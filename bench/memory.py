@@ -26,8 +26,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from hyper_adaptor import platform  # noqa: E402
-from hyper_adaptor.memory import (CheckpointPolicy, OffloadOptimizer, SwapManager, checkpoint_wrapper,  # noqa: E402
-                                  swap_wrapper)
+from hyper_adaptor.memory import (  # noqa: E402
+    CheckpointPolicy,
+    OffloadOptimizer,
+    SwapManager,
+    checkpoint_wrapper,
+    swap_wrapper,
+)
 from hyper_adaptor.testing.measure import StorageTracker, machine, report  # noqa: E402
 from hyper_adaptor.testing.measure import mib as _mib  # noqa: E402
 

@@ -25,8 +25,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import hyper_adaptor.megatron_adaptor  # noqa: E402,F401
-from hyper_adaptor.testing.measure import free_port, machine, quick_json, write  # noqa: E402
 from hyper_adaptor import platform as ha_platform  # noqa: E402
+from hyper_adaptor.testing.measure import free_port, machine, quick_json, write  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "ops.json"
 

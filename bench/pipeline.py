@@ -22,8 +22,14 @@ if __package__ in (None, ""):  # python bench/pipeline.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hyper_adaptor.parallel.pipeline.schedules import SCHEDULES  # noqa: E402
-from hyper_adaptor.testing.measure import (free_port, machine, machine_line, report, run_world,  # noqa: E402
-                                           target_lines)
+from hyper_adaptor.testing.measure import (  # noqa: E402
+    free_port,
+    machine,
+    machine_line,
+    report,
+    run_world,
+    target_lines,
+)
 
 WORLD = 4
 CHUNKS = {"interleaved": 2, "zbv": 2}

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from hyper_adaptor.testing import run_world
-from hyper_adaptor.testing.measure import (BUFFER_BYTES, SENT_BYTES, CollectiveCounter, PeakMemory, StorageTracker,
-                                           mib, nbytes, quick_json)
+from hyper_adaptor.testing.measure import (
+    BUFFER_BYTES,
+    SENT_BYTES,
+    CollectiveCounter,
+    PeakMemory,
+    StorageTracker,
+    mib,
+    nbytes,
+    quick_json,
+)
 
 MB = 1_000_000
 
@@ -140,11 +148,14 @@ def test_the_counter_counts_each_collective_once_in_both_conventions():
         alone = "all_reduce (group of 1, not counted)"
         # what this rank sends, (N-1)/N of each buffer: all-reduce 2(N-1)/N x 4000, all-gather (N-1) x 4000,
         # reduce-scatter (N-1) x its 2000-byte output, the send itself
-        assert sent == {"all_reduce": {"calls": 1, "bytes": 4000}, "all_gather_into_tensor": {"calls": 1, "bytes": 4000},
-                        "reduce_scatter_tensor": {"calls": 1, "bytes": 2000}, "isend": {"calls": 1, "bytes": 4000},
-                        alone: {"calls": 1, "bytes": 0}}
+        assert sent == {"all_reduce": {"calls": 1, "bytes": 4000},
+                        "all_gather_into_tensor": {"calls": 1, "bytes": 4000},
+                        "reduce_scatter_tensor": {"calls": 1, "bytes": 2000},
+                        "isend": {"calls": 1, "bytes": 4000}, alone: {"calls": 1, "bytes": 0}}
         assert r["sent"]["step"]["bytes"] == 14000
         # the ZeRO convention: the full buffer, all-reduce twice it, a send N/(N-1) x, a receive 0
-        assert buffer == {"all_reduce": {"calls": 1, "bytes": 8000}, "all_gather_into_tensor": {"calls": 1, "bytes": 8000},
-                          "reduce_scatter_tensor": {"calls": 1, "bytes": 4000}, "isend": {"calls": 1, "bytes": 8000},
-                          "irecv": {"calls": 1, "bytes": 0}, alone: {"calls": 1, "bytes": 0}}
+        assert buffer == {"all_reduce": {"calls": 1, "bytes": 8000},
+                          "all_gather_into_tensor": {"calls": 1, "bytes": 8000},
+                          "reduce_scatter_tensor": {"calls": 1, "bytes": 4000},
+                          "isend": {"calls": 1, "bytes": 8000}, "irecv": {"calls": 1, "bytes": 0},
+                          alone: {"calls": 1, "bytes": 0}}
