@@ -2,8 +2,10 @@
 
 * :class:`CollectiveCounter`: calls and bytes per torch.distributed function while a phase is set;
 * :class:`StorageTracker` / :class:`PeakMemory`: the bytes a measured step allocates above what was
-  allocated when it began (docs/features/hsdp.md says why this method and not the profiler's);
-* :func:`nbytes`, :func:`mib`, :func:`machine`, :func:`report` (table + JSON), :func:`quick_json`;
+  allocated when it began (docs/features/hsdp-measured.md says why this method and not the profiler's);
+* :func:`nbytes`, :func:`mib`, :func:`machine`, :func:`report` (table + JSON);
+* quick mode: :func:`quick_json` (a smoke run never writes over the recorded figures), :func:`add_preset_options`
+  and :func:`preset` (``--steps`` / ``--rounds`` / ``--warmup`` / ``--quick``);
 * :func:`free_port` and :func:`run_world` come from :mod:`hyper_adaptor.testing.world`.
 
 Importing this module imports torch, never megatron.
