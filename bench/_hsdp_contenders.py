@@ -189,6 +189,8 @@ def make_gpt(dims: dict, init: dict | None):
 
 
 class Contender:
+    """One row built on this rank: the model wrapped as its :class:`Spec` says, its optimizer, its step."""
+
     def __init__(self, name: str, dims: dict, init: dict, bucket_kb: float = DEFAULT_BUCKET_KB):
         self.spec = spec = CONTENDERS[name]
         self.name, self.kind, self.level, self.stage = name, spec.kind, spec.level, spec.stage
