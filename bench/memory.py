@@ -11,6 +11,7 @@ Run from the repository root (docs/features/memory.md says what each figure is a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -19,12 +20,12 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench._memory_stack import Layer  # noqa: E402
 from hyper_adaptor import platform  # noqa: E402
 from hyper_adaptor.memory import (  # noqa: E402
     CheckpointPolicy,
@@ -48,40 +49,6 @@ DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "memory.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONFIGS = ("none", "full-recompute", "selective-recompute", "swap-attention", "swap-all", "swap-all+prefetch",
            "save_on_cpu")
-
-
-# ------------------------------------------------------------------------------------------- the model
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, h))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.norm1, self.attention = nn.LayerNorm(hidden), Attention(hidden, heads)
-        self.norm2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
-
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 def build(args, device) -> nn.ModuleList:
@@ -109,7 +76,7 @@ class Config:
 
     def hooks(self):
         if self.name != "save_on_cpu":
-            return _null()
+            return contextlib.nullcontext()
         dev = platform.device_type()
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda" if dev == "cpu" else dev)
         pack = ctx.pack_hook
@@ -130,14 +97,6 @@ class Config:
             for layer in self.stack:
                 h = layer(h)
             return h.float().square().mean()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class SavedCounter:
