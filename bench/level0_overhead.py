@@ -1,69 +1,14 @@
-"""Level-0 overhead on CPU: a megatron-core GPT training step under the adaptor's full level 0,
-against the same step under only the patches Megatron needs to run on this machine at all.
+"""Level-0 overhead on CPU: a megatron-core GPT training step under the adaptor's full level 0, against the
+same step under only the patches megatron needs to run on this machine at all (``MINIMUM_TARGETS``).
 
-Run from the repository root::
+Run from the repository root (docs/features/level0-compat.md says what is compared, how, and why)::
 
-    python bench/level0_overhead.py                 # default, about 2 minutes on 2 cores
-    python bench/level0_overhead.py --quick         # smoke run, about 20 s
-    python bench/level0_overhead.py --find-minimum  # re-derive MINIMUM_TARGETS (about 1 minute)
+    python bench/level0_overhead.py                 # 20 interleaved rounds of 5 timed steps
+    python bench/level0_overhead.py --quick         # smoke run (4 rounds of 3)
+    python bench/level0_overhead.py --find-minimum  # re-derive MINIMUM_TARGETS
 
-What is compared
-----------------
-Level 0 ("compat") is everything ``import hyper_adaptor.megatron_adaptor`` applies so that megatron
-runs unchanged here: on CPU the ``torch.cuda`` emulation of ``patches/compat/torch_cpu.py: torch_patches()``
-plus ``patches/compat/megatron_core.py: patches()`` and ``patches/compat/megatron_training.py:
-patches()`` — the list ``features.compat.Compat.patches()`` returns — and the RNG log filter that
-``Adaptor.bootstrap`` installs next to them. Some of those patches are *necessary*: without them
-megatron-core cannot build or step a model on a CPU-only torch at all (``torch.cuda.current_device()``
-asserts, ``device="cuda"`` factories raise, ...). Any CPU port has to pay for those in some form,
-so they are not overhead of this adaptor; they are the anchor. The rest — the wrappers that map
-devices on every tensor factory, the RNG fixes that make forking real, the type-name view around
-the optimizer, the argument checks and notices — is what level 0 adds on top, and that is what the
-ratio ``median(full level 0) / median(minimum)`` measures.
-
-The minimum set (MINIMUM_TARGETS below) is found empirically, not chosen: ``--find-minimum``
-starts from the full level-0 list and removes the patches one at a time, in list order; a patch
-stays out when, without it, the same model still builds and trains two steps without an
-exception and with a finite loss (initialising megatron's model-parallel state, building the GPT,
-DDP and optimizer, and stepping are all done under the candidate set). This greedy pass leaves a
-set that runs and from which no single patch can be dropped. Because the search runs in one process
-(where a cache filled earlier could hide a need), the result is then checked again in a fresh
-process that applies nothing but the minimum before it imports megatron's model code. The search
-prints the reason each kept patch is needed — the error megatron raises without it.
-
-"Runs" means: no exception, a finite loss, and no per-step growth of ``torch.cuda``'s deferred-call
-queue. That last point is why ``_set_cuda_rng_state`` is in the minimum: without it megatron queues
-the RNG restore of every ``get_cuda_rng_tracker().fork()`` through ``torch.cuda._lazy_call``, which on
-a CPU build never runs; the step "works" but the queue (with a stack trace per call) grows without
-bound, so no real run could go on for long. A patch whose absence only makes results wrong would
-otherwise not be in the minimum.
-
-Found on 2026-11-23 with megatron-core 0.19.2, torch 2.13.0+cpu, Python 3.11.7, the model below
-(local spec, TP1 PP1, world of one, gloo): 8 of the 69 level-0 patches, listed in MINIMUM_TARGETS
-with the error megatron raises without each (``--find-minimum`` took 10 minutes on 2 cores).
-
-How it is measured
-------------------
-One process, world of one (gloo), TP1 PP1. The model, DDP wrapper and optimizer are built once,
-under the full level-0 set, and reused by both configurations: the two then run on the very same
-tensors and buffers, so the only difference between them is which patches are active *during the
-step* — the per-step cost this benchmark is about (what level 0 costs at build time is paid once per
-run, and a model built under the minimum set would differ only in where its buffers happen to lie
-in memory). Nothing built keeps a reference to a patched function: megatron looks ``torch.cuda.*``
-and the factories up at call time, and device arguments are stored as plain ``0`` / ``"cpu"``.
-
-After a warm-up under each configuration, rounds alternate the two (apply minimum, time ``--steps``
-steps, undo, apply full, time ``--steps`` steps, undo; odd rounds run the full set first) so that
-machine drift and order effects fall on both alike. The first step after each switch is not
-timed. A step is what megatron.training's ``train_step`` does with a megatron-core model:
-``zero_grad_buffer``, ``optimizer.zero_grad``, ``get_forward_backward_func()(...)`` over the
-micro-batches (forward, backward, DDP grad finalisation) and ``optimizer.step()`` (Adam,
-clip_grad=1.0). The reported figure per configuration is the median over all timed steps (p10 and
-p90 beside it), and the ratio is full / minimum. Target: ratio <= 1.03.
-
-``main(argv)`` returns the result dict (the JSON that is written), so a test can run ``--quick``
-in a subprocess-free way — but never in a process that has imported ``hyper_adaptor.megatron_adaptor``
-(that one has level 0 applied for good, so there is no minimum to compare against).
+``main(argv)`` returns the result (the JSON it writes); never call it in a process that has imported
+``hyper_adaptor.megatron_adaptor``: level 0 is applied there for good, so there is no minimum to compare.
 """
 
 from __future__ import annotations
@@ -73,10 +18,8 @@ import datetime
 import gc
 import hashlib
 import json
-import logging
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -90,24 +33,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # `python bench/level0_overhead.py` puts bench/ first, not the root
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import _results as bench_results  # noqa: E402
+from bench import _gpt_step as gpt_step  # noqa: E402
 from hyper_adaptor import platform as ha_platform  # noqa: E402
 from hyper_adaptor.patch_manager import Patch, PatchManager  # noqa: E402
 from hyper_adaptor.patches.compat import imports as compat_imports  # noqa: E402
+from hyper_adaptor.testing.measure import add_preset_options, machine, preset, quick_json, write  # noqa: E402
 
 TARGET_RATIO = 1.03
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "level0_overhead.json"
-
-# The model: sized so that one step (2 micro-batches) takes roughly 50-200 ms on a 2-core CPU.
-HIDDEN = 256
-HEADS = 8
-FFN = 1024
-LAYERS = 4
-SEQ = 128
-MICRO_BATCH = 2
-NUM_MICRO = 2
-VOCAB = 1024
-SEED = 1234
 
 # Found by `python bench/level0_overhead.py --find-minimum` on 2026-11-25 (megatron-core 0.19.2,
 # torch 2.13.0+cpu, Python 3.11.7): 9 of 72 level-0 patches. Each is a target without which the
@@ -132,12 +65,6 @@ QUICK = {"steps": 3, "rounds": 4, "warmup": 1}
 
 
 # --- set-up ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _bootstrap() -> None:
     """What Adaptor.bootstrap does before it patches: the import shims and the device choice."""
     if "hyper_adaptor.megatron_adaptor" in sys.modules:
@@ -186,132 +113,6 @@ class Config:
         return False
 
 
-def _sink_fork_warning() -> None:
-    """Without level 0's logging patch megatron warns on every RNG-tracker fork ("CPU RNG state changed
-    within GPU RNG context"); with it the record is dropped. Both configurations send that logger's
-    records to a NullHandler, so that the terminal is not flooded with it in the minimum configuration
-    (level 0 never emits it)."""
-    from hyper_adaptor.patches.compat import megatron_core
-
-    log = logging.getLogger(megatron_core.RNG_MODULE)
-    if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
-        log.addHandler(logging.NullHandler())
-    log.propagate = False
-
-
-def _init_distributed() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return False
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    return True
-
-
-def _init_model_parallel() -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    tensor_parallel.get_cuda_rng_tracker().reset()
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    torch.manual_seed(SEED)
-
-
-def build_training():
-    """GPTModel (local spec) in Megatron's DDP, with megatron's Adam; returns (config, model, optimizer)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=LAYERS,
-        hidden_size=HIDDEN,
-        num_attention_heads=HEADS,
-        ffn_hidden_size=FFN,
-        use_cpu_initialization=True,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        # fused kernels are level 1; level 0 runs megatron's unfused torch paths
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        share_embeddings_and_output_weights=True,
-    )
-    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, params_dtype=torch.float32),
-        [ddp],
-    )
-    config.finalize_model_grads_func = finalize_model_grads
-    return config, ddp, optimizer
-
-
-def make_batches():
-    """NUM_MICRO fixed micro-batches (data loading is not what is compared)."""
-    g = torch.Generator().manual_seed(SEED)
-    tokens = torch.randint(0, VOCAB, (NUM_MICRO * MICRO_BATCH, SEQ + 1), generator=g)
-    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ).contiguous()
-    mask = torch.tril(torch.ones(1, 1, SEQ, SEQ)) < 0.5
-    return [
-        {
-            "tokens": tokens[i : i + MICRO_BATCH, :-1].contiguous(),
-            "labels": tokens[i : i + MICRO_BATCH, 1:].contiguous(),
-            "position_ids": position_ids,
-            "attention_mask": mask,
-        }
-        for i in range(0, NUM_MICRO * MICRO_BATCH, MICRO_BATCH)
-    ]
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
-
-
-def train_step(model, optimizer, batches) -> float:
-    """One step as megatron.training's train_step takes it; returns the mean loss."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    forward_backward = get_forward_backward_func()
-    losses = forward_backward(
-        forward_step_func=_forward_step,
-        data_iterator=iter(batches),
-        model=model,
-        num_microbatches=len(batches),
-        seq_length=SEQ,
-        micro_batch_size=MICRO_BATCH,
-        forward_only=False,
-    )
-    optimizer.step()
-    return float(sum(d["lm loss"] for d in losses))
-
-
 # --- minimum search ----------------------------------------------------------------------------
 def _queued_device_calls() -> int:
     """Calls a CPU-only torch has deferred "until CUDA initialises" — i.e. forever."""
@@ -328,12 +129,12 @@ def _runs(config: Config, steps: int = 3) -> str | None:
     model = optimizer = None
     try:
         with config:
-            _init_model_parallel()
-            _, model, optimizer = build_training()
-            batches = make_batches()
+            gpt_step.init_model_parallel()
+            _, model, optimizer = gpt_step.build_training()
+            batches = gpt_step.make_batches()
             for step in range(steps):
                 queued = _queued_device_calls()
-                loss = train_step(model, optimizer, batches)
+                loss = gpt_step.train_step(model, optimizer, batches)
                 if not math.isfinite(loss):
                     return f"loss is {loss}"
                 grown = _queued_device_calls() - queued
@@ -355,7 +156,7 @@ def _runs(config: Config, steps: int = 3) -> str | None:
 def find_minimum(verbose: bool = True) -> dict:
     full = level0_patches()
     say = print if verbose else (lambda *a, **k: None)
-    _init_distributed()
+    gpt_step.init_distributed()
     reason = _runs(Config("level0", full))
     if reason is not None:
         raise RuntimeError(f"the step does not run even under the full level 0: {reason}")
@@ -403,42 +204,21 @@ def _check_set(targets: list[str]) -> int:
     _bootstrap()
     wanted = set(targets)
     patches = [p for p in level0_patches() if p.target in wanted]
-    _init_distributed()
+    gpt_step.init_distributed()
     reason = _runs(Config("check", patches))
     print("RUNS" if reason is None else f"FAILS {reason}", flush=True)
     return 0
 
 
 # --- measurement -------------------------------------------------------------------------------
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q
-    lo = int(math.floor(pos))
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def _summary(times_s: list[float]) -> dict:
-    ms = [t * 1000.0 for t in times_s]
-    return {
-        "median_ms": statistics.median(ms),
-        "p10_ms": _percentile(ms, 0.10),
-        "p90_ms": _percentile(ms, 0.90),
-        "mean_ms": statistics.fmean(ms),
-        "steps_timed": len(ms),
-    }
-
-
 def _timed_segment(config: Config, model, optimizer, batches, steps: int) -> list[float]:
     times = []
     gc.collect()
     with config:
-        train_step(model, optimizer, batches)  # first step after a switch: not timed
+        gpt_step.train_step(model, optimizer, batches)  # first step after a switch: not timed
         for _ in range(steps):
             start = time.perf_counter()
-            train_step(model, optimizer, batches)
+            gpt_step.train_step(model, optimizer, batches)
             times.append(time.perf_counter() - start)
     return times
 
@@ -458,13 +238,13 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     }
 
     load_before = os.getloadavg()
-    created_group = _init_distributed()
+    created_group = gpt_step.init_distributed()
     # Built once under the full set and shared (see the module docstring): identical tensors, so
     # only the patches active during the step differ.
     with configs["level0"]:
-        _init_model_parallel()
-        _, model, optimizer = build_training()
-    batches = make_batches()
+        gpt_step.init_model_parallel()
+        _, model, optimizer = gpt_step.build_training()
+    batches = gpt_step.make_batches()
 
     times = {name: [] for name in configs}
     per_round = []
@@ -490,16 +270,17 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
 
             dist.destroy_process_group()
 
-    results = {name: dict(_summary(times[name]), patches=len(configs[name].patches)) for name in configs}
+    results = {name: dict(gpt_step.summary(times[name]), patches=len(configs[name].patches)) for name in configs}
     ratio = results["level0"]["median_ms"] / results["minimum"]["median_ms"]
     return {
         "benchmark": "level0_overhead",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": bench_results.machine(),
+        "machine": machine(),
         "settings": {
             "steps_per_round": steps, "rounds": rounds, "warmup_steps_per_config": warmup,
-            "model": {"hidden": HIDDEN, "heads": HEADS, "ffn": FFN, "layers": LAYERS, "seq": SEQ,
-                      "micro_batch": MICRO_BATCH, "num_microbatches": NUM_MICRO, "vocab": VOCAB,
+            "model": {"hidden": gpt_step.HIDDEN, "heads": gpt_step.HEADS, "ffn": gpt_step.FFN,
+                      "layers": gpt_step.LAYERS, "seq": gpt_step.SEQ, "micro_batch": gpt_step.MICRO_BATCH,
+                      "num_microbatches": gpt_step.NUM_MICRO, "vocab": gpt_step.VOCAB,
                       "spec": "local", "dtype": "float32"},
             "parallel": {"world": 1, "backend": "gloo", "tp": 1, "pp": 1},
             "optimizer": {"type": "adam", "clip_grad": 1.0, "ddp": True},
@@ -544,13 +325,8 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per config per round "
-                        f"(default {DEFAULTS['steps']}, --quick {QUICK['steps']})")
-    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds "
-                        f"(default {DEFAULTS['rounds']}, --quick {QUICK['rounds']})")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per config")
+    add_preset_options(parser, DEFAULTS, QUICK)
     parser.add_argument("--json", default=str(DEFAULT_JSON), help="where to write the JSON result")
-    parser.add_argument("--quick", action="store_true", help="short smoke run (~20 s)")
     parser.add_argument("--find-minimum", action="store_true",
                         help="re-derive the minimum patch set (prints it; paste into MINIMUM_TARGETS)")
     parser.add_argument("--threads", type=int, default=None,
@@ -559,12 +335,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     if args.check_set is not None:
-        _sink_fork_warning()
+        gpt_step.sink_fork_warning()
         _check_set(json.loads(args.check_set))
         return {}
 
     _bootstrap()
-    _sink_fork_warning()
+    gpt_step.sink_fork_warning()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.find_minimum:
@@ -577,14 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
               f'{len(found["targets"])} of {found["level0_count"]} level-0 patches')
         return found
 
-    preset = QUICK if args.quick else DEFAULTS
-    steps = args.steps if args.steps is not None else preset["steps"]
-    rounds = args.rounds if args.rounds is not None else preset["rounds"]
-    warmup = args.warmup if args.warmup is not None else preset["warmup"]
-    result = measure(steps, rounds, warmup)
+    result = measure(**preset(args, DEFAULTS, QUICK))
     result["settings"]["quick"] = args.quick
     print(format_table(result))
-    bench_results.write(result, Path(args.json))
+    write(result, quick_json(args.json, args.quick))
     return result
 
 

@@ -2,62 +2,16 @@
 stack under no recompute, full and selective recompute, swap of attention, swap of everything (with and
 without prefetch) and torch's ``save_on_cpu``; optimizer offload's device state bytes and step time.
 
-Run from the repository root::
+Run from the repository root (docs/features/memory.md says what each figure is and why)::
 
-    python bench/memory.py            # about 70 s on a 2-core VM (one torch thread)
-    python bench/memory.py --quick    # 4 small layers, 2 rounds (smoke run, < 30 s)
-
-The stack: L pre-norm GPT layers of plain torch modules (LayerNorm, qkv Linear, causal
-``scaled_dot_product_attention``, output Linear, LayerNorm, Linear 4h, GELU, Linear h), fp32 (``--dtype
-bf16``: parameters and activations in bf16, the loss in fp32), one
-micro-batch [b, s, h], loss = mean of the squared output, forward + backward (+ an optimizer step in the
-optimizer rows). Every configuration starts from a copy of the same seeded weights and the same input;
-its loss and gradients are compared with ``none``'s (``max |diff|``: on cpu swap and save_on_cpu must be
-0, recompute within 1e-6 relative; on cuda, without deterministic kernels, the attention backward's
-run-to-run variation shows in every row, save_on_cpu and recompute included — tests/gpu checks swap
-bitwise).
-
-Configurations (per layer i, wrappers from hyper_adaptor.memory):
-* ``none``: nothing;
-* ``full-recompute``: ``checkpoint_wrapper(layer)`` (torch's non-reentrant checkpoint; keeps the input);
-* ``selective-recompute``: ``checkpoint_wrapper(layer, policy={matmuls and attention: MUST_SAVE})``: the
-  norms, the activation function and elementwise ops are recomputed (MindSpeed's ``--recompute-norm
-  --recompute-activation-function``, as one selective-checkpoint policy);
-* ``swap-attention``: ``swap_wrapper(layer.attention)`` with prefetch 1 (MindSpeed's ``--swap-attention``);
-* ``swap-all``: ``swap_wrapper(layer)``, ``SwapManager(prefetch=0)`` (each group loaded when needed);
-* ``swap-all+prefetch``: the same with ``prefetch=1`` (the next group loads during this one's backward);
-* ``save_on_cpu``: the forward under ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (the anchor;
-  on a cpu-only machine torch neither pins nor skips the copy: every saved tensor is copied).
-
-What is measured
-----------------
-* ``device activations``: on cpu (the "device" is host memory), a storage tracker (a TorchDispatchMode):
-  every storage an op creates during the forward, alive at the end of the forward (the activation peak of
-  ``none``), minus the host tier (the swap pool's buffers; save_on_cpu's copies), parameters and the
-  input. On cuda/npu: ``max_memory_allocated`` over forward + backward minus what was allocated before.
-* ``fwd end``: what the device holds between forward and backward (cpu: the tracker's figure; cuda/npu:
-  ``memory_allocated`` after the forward, synchronised) — the 1/L target is about this one.
-* ``accounting``: the engines' own figure — the swap manager's peak of device-tier saved bytes (saved
-  minus moved; for swap-attention only the attention's share), a saved-tensor-hooks counter for
-  ``none`` (every saved storage, parameters excluded) and ``save_on_cpu`` (what stays on the device: 0);
-  recompute keeps its inputs and cached outputs outside saved-tensor hooks, so only the tracker sees it.
-* ``moved``: bytes copied to the host tier per step.
-* step time: median over rounds of one step per configuration, interleaved (reversed on odd rounds) so
-  machine drift falls on all alike, as a ratio to ``none``. On cpu a copy cannot overlap compute (no
-  second queue): swap there costs its copies in full, prefetch only changes the order.
-* on cuda/npu, the pinned copy speed each way (256 MiB, median of 5) and per swap row its ``copy floor``:
-  bytes moved / speed, out and back — what a step that moves them cannot beat.
-* optimizer offload: Adam on the device vs ``OffloadOptimizer(Adam, offload_fraction=1.0)`` and 0.5: the
-  optimizer-state bytes on the device (target 0 at fraction 1) and the step time (forward + backward +
-  optimizer step) as a ratio to device Adam; parameters after 3 steps compared with device Adam.
-
-Targets (issue 16): swap of everything keeps <= 1/L of the stack's activations on the device plus the
-last layer; on a GPU swap + prefetch costs <= 10 % step time and beats save_on_cpu.
+    python bench/memory.py            # 8 layers, hidden 256, seq 256, 11 rounds
+    python bench/memory.py --quick    # 4 small layers, 2 rounds (smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
@@ -66,17 +20,22 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from bench._memory_stack import Layer  # noqa: E402
 from hyper_adaptor import platform  # noqa: E402
-from hyper_adaptor.memory import (CheckpointPolicy, OffloadOptimizer, SwapManager, checkpoint_wrapper,  # noqa: E402
-                                  swap_wrapper)
+from hyper_adaptor.memory import (  # noqa: E402
+    CheckpointPolicy,
+    OffloadOptimizer,
+    SwapManager,
+    checkpoint_wrapper,
+    swap_wrapper,
+)
+from hyper_adaptor.testing.measure import StorageTracker, machine, report  # noqa: E402
+from hyper_adaptor.testing.measure import mib as _mib  # noqa: E402
 
 aten = torch.ops.aten
 # Selective recompute: the outputs of matmuls and of the attention kernel are saved, everything else (the
@@ -90,40 +49,6 @@ DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "memory.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONFIGS = ("none", "full-recompute", "selective-recompute", "swap-attention", "swap-all", "swap-all+prefetch",
            "save_on_cpu")
-
-
-# ------------------------------------------------------------------------------------------- the model
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        b, s, h = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, s, h))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.fc1, self.act, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        self.norm1, self.attention = nn.LayerNorm(hidden), Attention(hidden, heads)
-        self.norm2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
-
-    def forward(self, x):
-        x = x + self.attention(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
 
 
 def build(args, device) -> nn.ModuleList:
@@ -151,7 +76,7 @@ class Config:
 
     def hooks(self):
         if self.name != "save_on_cpu":
-            return _null()
+            return contextlib.nullcontext()
         dev = platform.device_type()
         ctx = torch.autograd.graph.save_on_cpu(pin_memory=True, device_type="cuda" if dev == "cpu" else dev)
         pack = ctx.pack_hook
@@ -174,14 +99,6 @@ class Config:
             return h.float().square().mean()
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 class SavedCounter:
     """Saved-tensor hooks that count the bytes of every saved storage (parameters excluded)."""
 
@@ -197,30 +114,6 @@ class SavedCounter:
     @property
     def bytes(self) -> int:
         return sum(self.storages.values())
-
-
-class LiveStorages(TorchDispatchMode):
-    """Every device storage an op creates, with a weak reference: which are still alive, and their bytes."""
-
-    def __init__(self, device_type: str, skip) -> None:
-        super().__init__()
-        self.device_type, self.skip = device_type, skip
-        self.created: dict[int, tuple[StorageWeakRef, int]] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not self.skip():
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor) and t.device.type == self.device_type and t.layout is torch.strided:
-                    storage = t.untyped_storage()
-                    ptr = storage.data_ptr()
-                    known = self.created.get(ptr)
-                    if ptr and (known is None or known[0].expired()):
-                        self.created[ptr] = (StorageWeakRef(storage), storage.nbytes())
-        return out
-
-    def alive_bytes(self, exclude) -> int:
-        return sum(n for ptr, (weak, n) in self.created.items() if not weak.expired() and not exclude(ptr))
 
 
 # ------------------------------------------------------------------------------------------- measurements
@@ -239,7 +132,7 @@ def measure_memory(cfg: Config, x: torch.Tensor) -> dict:
     counter = SavedCounter()
     result = {}
     if dev == "cpu":
-        tracker = LiveStorages(dev, skip=lambda: cfg.host_copy)
+        tracker = StorageTracker(dev, skip=lambda: cfg.host_copy)
         with tracker:
             if cfg.name == "none":
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
@@ -406,8 +299,6 @@ def copy_bandwidth(device: str, nbytes: int = 256 * 2**20) -> dict | None:
 
 
 def run(args) -> dict:
-    from bench import _results as bench_results
-
     device = platform.device_type()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -425,7 +316,7 @@ def run(args) -> dict:
         "device": device,
         "copies_overlap_compute": platform.copies_are_async(device),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "machine": bench_results.machine(),
+        "machine": machine(),
         "copy_bandwidth": bandwidth,
         "activations": rows,
         "optimizer": opt_rows,
@@ -441,7 +332,7 @@ def run(args) -> dict:
 
 
 def mib(n) -> str:
-    return "-" if n is None else f"{n / 2**20:8.2f}"
+    return _mib(n, "8.2f")
 
 
 def table(result: dict) -> str:
@@ -494,10 +385,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.seq, args.rounds = 4, 128, 128, 2
-    from bench import _results as bench_results
-
     result = run(args)
-    return bench_results.report(result, table(result), args.json, quick=args.quick)
+    return report(result, table(result), args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -1,25 +1,11 @@
-"""Fused ops (level 1): forward+backward time and activation memory, fused vs eager vs megatron-core.
+"""Fused ops (level 1): forward+backward time and saved activation bytes, fused vs eager vs megatron-core,
+at shapes scaled down from real models.
 
-Run from the repository root::
+Run from the repository root (docs/features/fused-kernels.md says what each path is and how it is measured)::
 
-    python bench/ops.py            # about 2-4 minutes on 2 CPU cores
-    python bench/ops.py --quick    # smaller shapes, fewer repeats
-
-For every op the three paths run on the same inputs, interleaved round by round (so machine drift
-falls on all alike); the figure is the median forward+backward time. ``fused`` is the op through
-hyper_adaptor's dispatch with the platform's first backend (``fast`` on CPU/CUDA, ``npu`` on an
-NPU; ``--backend`` forces one), ``eager`` the plain-PyTorch reference backend, ``megatron`` what
-megatron-core 0.19.2's local spec runs without hyper_adaptor (torch.nn.RMSNorm, the chunk+silu MLP,
-``_apply_rotary_pos_emb_bshd``, DotProductAttention, matmul + add into main_grad, SequentialMLP).
-
-Activation memory is the bytes autograd saves for the backward (summed in a saved-tensors hook):
-exact and independent of the allocator, so the O(s) vs O(s^2) of attention shows directly.
-
-Shapes are scaled from real models (hidden 4096, 32 heads of 128, ffn 11008, sequence 4096; for the
-MoE experts Qwen3-30B-A3B: hidden 2048, expert ffn 768, 128 experts, top-8) to fit a CPU; the scale is
-printed and written to bench/results/ops.json. The MoE row runs megatron-core's ``SequentialMLP``
-three ways: as megatron runs it (one expert after the other), and through the ``--moe-grouped-gemm``
-forward with the grouped GEMM on the fused and on the eager backend.
+    python bench/ops.py                 # scale 4, 10 repeats
+    python bench/ops.py --quick         # scale 8, 4 repeats (smoke run)
+    python bench/ops.py --dtype bf16    # -> bench/results/ops-bf16.json
 """
 
 from __future__ import annotations
@@ -39,8 +25,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import hyper_adaptor.megatron_adaptor  # noqa: E402,F401
-from bench import _results as bench_results  # noqa: E402  (level 0: megatron importable here)
 from hyper_adaptor import platform as ha_platform  # noqa: E402
+from hyper_adaptor.testing.measure import free_port, machine, quick_json, write  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "ops.json"
 
@@ -262,7 +248,7 @@ def _world_of_one() -> None:
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29533")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(1, 1)
@@ -312,7 +298,7 @@ def run(args) -> dict:
             "device": ha_platform.device_type(), "device_name": device_name(), "dtype": args.dtype, "backend": args.backend or "platform default",
             "shapes": shapes, "scale_note": (f"real model dims divided by {args.scale} (head dim kept at 128; MoE: "
                            f"{shapes['moe']['model']}'s hidden, expert ffn, experts, top-k and tokens)"),
-            "machine": bench_results.machine(),
+            "machine": machine(),
             "repeats": args.repeats, "rows": rows,
             "attention_memory": attention_memory_sweep(shapes["heads"], shapes["head_dim"], dtype, args.backend)}
 
@@ -382,10 +368,10 @@ def main(argv=None):
           f"{' (' + result['device_name'] + ')' if result['device_name'] else ''}, {result['dtype']}, "
           f"{result['machine']['torch_threads']} threads\n")
     print(table(result))
-    path = Path(args.json)
+    path = quick_json(args.json, args.quick)
     if args.dtype != "fp32" or args.backend:
         path = path.with_name(f"{path.stem}-{args.dtype}{'-' + args.backend if args.backend else ''}{path.suffix}")
-    bench_results.write(result, path)
+    write(result, path)
     return result
 
 

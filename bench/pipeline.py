@@ -1,38 +1,11 @@
-"""Pipeline schedules (hyper_adaptor.parallel.pipeline): measured bubble and live activations per rank against
-the theory, on 4 gloo ranks with stages of known cost.
+"""Pipeline schedules: measured bubble and live activations per rank against the theory, on 4 gloo ranks
+running the real runtime on the real action lists with stages of known cost (sleeps), and megatron's GPT at
+PP4 under each schedule.
 
-Run from the repository root::
+Run from the repository root (docs/features/pipeline.md says what each figure is and why)::
 
-    python bench/pipeline.py            # about 2 minutes
-    python bench/pipeline.py --quick    # micro-batches 4 and 8, one timed round, t = 20 ms (< 30 s)
-
-What runs: one gloo world of 4 ranks (hyper_adaptor/testing/world.py), the real runtime
-(``runtime.execute``) on the real validated action lists (``schedules.build``), with stage runners of fixed
-cost in place of a model (:class:`TimedRunner`, the ``StageRunner`` protocol): F sleeps t, B 2t, I t, W t
-(``time.sleep``: it needs no core, so 4 ranks on 2 cores do not blur the timing), and each step sends a
-small real tensor that carries its micro-batch number, checked on arrival (a crossed send would fail).
-Interleaved (v = 2 chunks) and ZBV (2 chunks in a V) split the same per-rank model in two, so their steps
-cost half: F t/2, B t, I t/2, W t/2.
-
-Figures, per schedule and micro-batch count m (p = 4):
-
-* bubble: after a barrier every rank runs the step; makespan = last rank's end - first rank's start
-  (``time.monotonic``, one clock for the processes of a machine); a rank's busy time is the time it spent in
-  its runner's sleeps; bubble = mean over ranks of 1 - busy / makespan (= idle / (p x makespan)), median over
-  the rounds. Beside it: ``timeline.theoretical_bubble`` (the textbook formula) and ``timeline.simulate`` on
-  the same lists (ideal: sends asynchronous; blocking: the lists' communication batches as blocking
-  rendez-vous). Targets (the issue): measured within 10 % (absolute points) of the theory; ZBV < 5 %.
-* live activations: per rank, the most micro-batch x stage activations alive at once, counted by the runner
-  (alive from F until B, or until W for split backwards: the W needs the layer inputs), and until I; beside
-  the theory: GPipe m; 1F1B / ZB-H1 min(p - r, m) (until I); interleaved (megatron's warm-up) min(v m,
-  2 (p - r - 1) + (v - 1) p + 1) chunk activations; ZBV 2p chunk activations (the paper's bound: 1F1B's p
-  full micro-batches) — and the count the list itself implies (``timeline.inflight_peaks``). Chunk
-  activations are half a full stage's.
-
-* the real model (``real_model_rows``): megatron's GPT (8 layers, hidden 256, seq 256, untied output layer)
-  through examples/pretrain_gpt.py at PP4 (torchrun, 4 CPU processes), once per schedule — megatron's own
-  1F1B and interleaved, then each of hyper_adaptor's — and megatron's logged step time as a ratio to
-  megatron's 1F1B from the same run (``--gpt-micros``; ``--quick`` skips it).
+    python bench/pipeline.py            # micro-batches 4, 8, 16, 3 timed rounds, t = 40 ms, GPT rows
+    python bench/pipeline.py --quick    # micro-batches 4 and 8, one timed round, t = 20 ms, no GPT rows
 """
 
 from __future__ import annotations
@@ -48,8 +21,17 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/pipeline.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hyper_adaptor.parallel.pipeline.schedules import SCHEDULES  # noqa: E402
+from hyper_adaptor.testing.measure import (  # noqa: E402
+    free_port,
+    machine,
+    machine_line,
+    report,
+    run_world,
+    target_lines,
+)
+
 WORLD = 4
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 CHUNKS = {"interleaved": 2, "zbv": 2}
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pipeline.json"
 TARGETS = {"bubble_vs_theory_points": 0.10, "zbv_bubble": 0.05}
@@ -217,8 +199,6 @@ def _gpt_step_ms(extra: list, micro: int, iters: int, timeout: float) -> tuple[f
     import re
     import subprocess
 
-    from hyper_adaptor.testing import free_port
-
     root = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD), "--master-port",
                str(free_port()), "examples/pretrain_gpt.py", *GPT, "--global-batch-size", str(micro),
@@ -267,18 +247,12 @@ def targets(rows: list) -> list[dict]:
 
 
 def run(args) -> dict:
-    from hyper_adaptor.testing import run_world
-
     load_before = os.getloadavg()
     start = time.perf_counter()
     per_rank = run_world(WORLD, "bench.pipeline:bench_rank", timeout=args.timeout, schedules=args.schedules,
                          micros=args.micros, t=args.t_ms / 1e3, rounds=args.rounds)
     rows = merge(per_rank, args.t_ms / 1e3)
     gpt_rows = real_model_rows(args)
-    from bench import _results as bench_results
-
-    machine = bench_results.machine()
-    machine.update(torch_threads=1, ranks=WORLD, load_average_1min_before_after=[load_before[0], os.getloadavg()[0]])
     result = {
         "benchmark": "pipeline", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python bench/pipeline.py" + (" --quick" if args.quick else ""),
@@ -287,7 +261,8 @@ def run(args) -> dict:
         "bubble_method": "mean over ranks of 1 - busy/makespan; makespan = last end - first start after a "
                          "barrier; median over rounds",
         "rows": rows, "gpt_rows": gpt_rows, "gpt_model": " ".join(GPT), "wall_s": time.perf_counter() - start,
-        "machine": machine,
+        "machine": machine(torch_threads=1, ranks=WORLD,
+                           load_average_1min_before_after=[load_before[0], os.getloadavg()[0]]),
     }
     result["targets"] = targets(rows)
     return result
@@ -325,16 +300,14 @@ def table(result: dict) -> str:
              "(interleaved / ZBV: chunk units, half a stage each); list: what the list implies; theory: GPipe m, "
              "1F1B / ZB-H1 min(p-r, m) (ZB-H1 until I), interleaved min(vm, 2(p-r-1)+(v-1)p+1), ZBV 2p.",
              "", "Targets (each checked where it applies):"]
-    from bench import _results as bench_results
-
-    notes += bench_results.target_lines(result["targets"], "+.3f")
+    notes += target_lines(result["targets"], "+.3f")
     if result.get("gpt_rows"):
         notes += ["", "Megatron GPT (examples/pretrain_gpt.py through torchrun, PP4, 4 CPU processes, "
                   "megatron's logged step time, median after the first two iterations):", "",
                   "| schedule | m | step ms | x megatron's 1F1B |", "|---|---|---|---|"]
         for r in result["gpt_rows"]:
             notes.append(f"| {r['schedule']} | {r['micro']} | {r['step_ms']:.0f} | {r['ratio_to_megatron_1f1b']:.2f} |")
-    notes += ["", bench_results.machine_line(result)]
+    notes += ["", machine_line(result)]
     return "\n".join(lines + notes)
 
 
@@ -353,10 +326,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.micros, args.rounds, args.t_ms, args.gpt_micros = [4, 8], 1, 20.0, []
-    from bench import _results as bench_results
-
     result = run(args)
-    return bench_results.report(result, table(result), args.json, quick=args.quick)
+    return report(result, table(result), args.json, quick=args.quick)
 
 
 if __name__ == "__main__":

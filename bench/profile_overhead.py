@@ -1,29 +1,10 @@
 """What ``--profile`` costs: a megatron-core GPT training step with profiling off, and inside the
 profiler's window at each ``--profile-level`` (and with every option on), as ratios in one run.
 
-Run from the repository root::
+Run from the repository root (docs/features/profiling.md says how it is measured)::
 
-    python bench/profile_overhead.py            # about 2 minutes on 2 CPU cores
-    python bench/profile_overhead.py --quick    # smoke run, under a minute
-
-How it is measured
-------------------
-One process, world of one (gloo), TP1 PP1, full level 0 (``import hyper_adaptor.megatron_adaptor``), the
-model, batches and step of ``bench/level0_overhead.py`` (GPTModel on the local spec in megatron's DDP,
-Adam, 2 micro-batches through ``get_forward_backward_func``). The model is built once and shared.
-
-Each contender runs a window the way the ``--profile`` patch drives it around megatron's
-``train_step`` (``hyper_adaptor/patches/profiling/window.py``): step 0 warms the profiler up (not
-timed), steps 1..N are recorded and timed, and after step N the rank stops the profiler, writes its
-trace and prints its summary — the *close* cost, reported apart (ms, once per window) since a user
-pays it once, not per step. ``off`` runs the same steps with no window. Rounds interleave the
-contenders (reversed order on odd rounds) so that machine drift falls on all alike; a step's figure is
-the median over every round (p10 and p90 beside it) and the ratio is that median over ``off``'s.
-
-Contenders: ``off``; ``level0`` / ``level1`` / ``level2`` (``--profile --profile-level L``, no other
-option: MindSpeed's defaults); ``level2-all`` (``--profile-level level2 --profile-with-cpu
---profile-with-stack --profile-with-memory --profile-record-shapes``). On this CPU machine the profiler
-is torch.profiler with the CPU activity (``--profile-with-cpu`` is implied on CPU).
+    python bench/profile_overhead.py            # 6 interleaved rounds of 4-step windows
+    python bench/profile_overhead.py --quick    # smoke run (2 rounds of 2)
 """
 
 from __future__ import annotations
@@ -48,9 +29,9 @@ if str(REPO_ROOT) not in sys.path:  # `python bench/profile_overhead.py` puts be
     sys.path.insert(0, str(REPO_ROOT))
 
 import hyper_adaptor.megatron_adaptor  # noqa: E402,F401  (level 0, as in a real run)
-from bench import _results as bench_results  # noqa: E402
-from bench import level0_overhead as model_bench  # noqa: E402
+from bench import _gpt_step as model_bench  # noqa: E402
 from hyper_adaptor.patches.profiling import window as profile_window  # noqa: E402
+from hyper_adaptor.testing.measure import add_preset_options, machine, preset, quick_json, write  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "profile_overhead.json"
 DEFAULTS = {"steps": 4, "rounds": 6, "warmup": 1}
@@ -107,8 +88,8 @@ def _segment(options, steps, model, optimizer, batches, save_path) -> tuple[list
 
 def measure(steps: int, rounds: int, warmup: int) -> dict:
     load_before = os.getloadavg()
-    created_group = model_bench._init_distributed()
-    model_bench._init_model_parallel()
+    created_group = model_bench.init_distributed()
+    model_bench.init_model_parallel()
     _, model, optimizer = model_bench.build_training()
     batches = model_bench.make_batches()
     scratch = tempfile.mkdtemp(prefix="profile_overhead_")
@@ -144,7 +125,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     base = statistics.median(times["off"])
     configs = {}
     for name in names:
-        configs[name] = dict(model_bench._summary(times[name]), ratio=statistics.median(times[name]) / base,
+        configs[name] = dict(model_bench.summary(times[name]), ratio=statistics.median(times[name]) / base,
                              ratio_per_round_median=statistics.median(r["ratio"][name] for r in per_round),
                              close_ms=statistics.median(closes[name]) * 1e3,
                              trace_mb=statistics.median(sizes[name]) / 2**20,
@@ -152,7 +133,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     return {
         "benchmark": "profile_overhead",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": bench_results.machine(),
+        "machine": machine(),
         "device": "cpu (torch.profiler, CPU activity)",
         "settings": {
             "recorded_steps_per_window": steps, "rounds": rounds, "warmup_windows": warmup,
@@ -190,29 +171,19 @@ def format_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=None, help=f"recorded steps per window "
-                        f"(default {DEFAULTS['steps']}, --quick {QUICK['steps']})")
-    parser.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds "
-                        f"(default {DEFAULTS['rounds']}, --quick {QUICK['rounds']})")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed windows per contender first")
+    add_preset_options(parser, DEFAULTS, QUICK)
     parser.add_argument("--json", default=None, help="where to write the JSON result")
-    parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    model_bench._sink_fork_warning()
+    model_bench.sink_fork_warning()
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    preset = QUICK if args.quick else DEFAULTS
-    steps = args.steps if args.steps is not None else preset["steps"]
-    rounds = args.rounds if args.rounds is not None else preset["rounds"]
-    warmup = args.warmup if args.warmup is not None else preset["warmup"]
-    result = measure(steps, rounds, warmup)
+    result = measure(**preset(args, DEFAULTS, QUICK))
     result["settings"]["quick"] = args.quick
     print(format_table(result))
-    default = DEFAULT_JSON.with_name("profile_overhead-quick.json") if args.quick else DEFAULT_JSON
-    bench_results.write(result, Path(args.json) if args.json else default)
+    write(result, Path(args.json) if args.json else quick_json(DEFAULT_JSON, args.quick))
     return result
 
 

@@ -1,4 +1,4 @@
-"""bench/peak_trace.py's walk over torch's allocator events (the CUDA run itself is a GPU-machine tool)."""
+"""The walk over torch's allocator events behind bench/peak_trace.py (the CUDA run itself is a GPU-machine tool)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.peak_trace import alive_at_peak, site
+from hyper_adaptor.testing.peak_trace import alive_at_peak, site
 
 ROOT = Path(__file__).resolve().parents[2]
 
