@@ -44,9 +44,8 @@ class MoEGroupedGEMM(Feature):
         if not getattr(args, "moe_grouped_gemm", False):
             return []
         # megatron's validate_args checks CUDA hardware for grouped-GEMM kernels the local spec never calls
-        hide_from_megatron(args, "moe_grouped_gemm")
-        return ["--moe-grouped-gemm: served by hyper_adaptor's grouped GEMM (local spec); hidden from "
-                "megatron's CUDA compute-capability check while it validates the arguments"]
+        return [hide_from_megatron(args, "moe_grouped_gemm", "served by hyper_adaptor's grouped GEMM (local spec); "
+                                   "megatron checks a CUDA compute capability for kernels it does not call")]
 
     def validate(self, args) -> None:
         if not getattr(args, "num_experts", None):
