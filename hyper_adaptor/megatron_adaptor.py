@@ -149,7 +149,7 @@ class Adaptor:
                 if feature.refuse_below_level:
                     raise FeatureConfigError(feature.below_level_error(args))
                 # Not an error: the same command line at a lower level must run, with Megatron's
-                # own behaviour for this feature (issue 3). Said once, naming flag and level.
+                # own behaviour for this feature. Said once, naming flag and level.
                 flags = ", ".join(f.name for f in feature.flags)
                 notices.append(
                     f"{flags} ({feature.name}) is a level-{feature.level} feature but "
