@@ -48,8 +48,11 @@ class MoEGroupedGEMM(Feature):
                                    "megatron checks a CUDA compute capability for kernels it does not call")]
 
     def validate(self, args) -> None:
-        if not getattr(args, "num_experts", None):
+        experts = getattr(args, "num_experts", None)
+        if not experts:
             raise FeatureConfigError("--moe-grouped-gemm needs --num-experts (it groups the MoE experts' GEMMs)")
+        if experts < 1:
+            raise FeatureConfigError(f"--num-experts must be >= 1 for --moe-grouped-gemm; got {experts}")
 
     def patches(self, args):
         from hyper_adaptor.patches.fused import grouped_gemm

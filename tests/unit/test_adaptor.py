@@ -182,6 +182,8 @@ def test_describe_reports_bad_level():
         (("--use-fused-rmsnorm",), "--use-fused-rmsnorm needs --normalization RMSNorm, got --normalization LayerNorm"),
         (("--use-fused-rotary-pos-emb", "--position-embedding-type", "learned_absolute"),
          "--use-fused-rotary-pos-emb needs --position-embedding-type rope"),
+        (("--moe-grouped-gemm",), "--moe-grouped-gemm needs --num-experts"),
+        (("--moe-grouped-gemm", "--num-experts", "-4"), "--num-experts must be >= 1 for --moe-grouped-gemm; got -4"),
     ],
 )
 def test_level1_flag_conflicts_name_the_flags(flags, message):
