@@ -27,6 +27,12 @@ class Recompute(Feature):
                                  "selective recompute of 'layernorm')"),
     )
 
+    def status(self, args) -> tuple[bool, str]:
+        applies, why = super().status(args)
+        if applies and not getattr(args, "recompute_activation_function", False):
+            why += " (--recompute-norm: megatron's own selective recompute, set by adjust; nothing to patch)"
+        return applies, why
+
     def adjust(self, args) -> list[str]:
         notices = []
         granularity = getattr(args, "recompute_granularity", None)
