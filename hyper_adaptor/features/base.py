@@ -194,7 +194,7 @@ def restore_hidden(args) -> None:
 
 
 def taken(args) -> dict:
-    """{dest: value asked} of every flag adjust hid from or took from megatron, for tests and describe."""
+    """{dest: value asked} of every flag adjust hid from or took from megatron (what the record holds)."""
     record = getattr(args, RECORD, None) or {"hidden": {}, "taken": {}}
     return {**record["taken"], **record["hidden"]}
 
