@@ -78,8 +78,8 @@ class OptimizerOffload(Feature):
                            ("use_layer_wise_distributed_optimizer", "--use-layer-wise-distributed-optimizer"),
                            ("optimizer_cuda_graph", "--optimizer-cuda-graph")):
             if getattr(args, dest, False):
-                raise FeatureConfigError(f"--optimizer-cpu-offload cannot be combined with {flag} (served with megatron's "
-                                         f"DDP, --use-distributed-optimizer and --use-hsdp)")
+                raise FeatureConfigError(f"--optimizer-cpu-offload cannot be combined with {flag} (served with "
+                                         f"megatron's DDP, --use-distributed-optimizer and --use-hsdp)")
 
     def patches(self, args):
         from hyper_adaptor.patches.memory import optimizer
