@@ -1,5 +1,6 @@
 """The memory features on megatron-core's GPT (features/swap.py, features/recompute.py,
-patches/memory/layers.py): each flag's run against the same GPT without it, 3 Adam steps on CPU/gloo, in one world per layout.
+patches/memory/layers.py): each flag's run against the same GPT without it, 3 Adam steps on CPU/gloo, in one
+world per layout.
 
 Swap moves saved activations to the host and back: nothing is recomputed, so losses, gradients and
 parameters are bitwise equal (tolerance 0). Recompute reruns forward ops in backward: 1e-6. Every swap
