@@ -32,6 +32,7 @@ from hyper_adaptor.features import DEFAULT_LEVEL, FEATURES, FeatureConfigError
 from hyper_adaptor.features.base import restore_hidden
 from hyper_adaptor.notice import notice
 from hyper_adaptor.patch_manager import Patch, PatchManager
+from hyper_adaptor.patches import adaptor_hooks
 
 logger = logging.getLogger("hyper_adaptor")
 FEATURE = "adaptor"
@@ -79,7 +80,7 @@ class Adaptor:
         self.device_type: str | None = None
         self.megatron: megatron_version.MegatronVersion | None = None
         # the level of the last prepared namespace; code without a command line (a TransformerConfig
-        # built by a library user) reads it, see patches/compat/fusion_switches.py
+        # built by a library user) reads it through patches/adaptor_hooks.py
         self.optimization_level: int | None = None
 
     def bootstrap(self) -> None:
@@ -101,10 +102,14 @@ class Adaptor:
             # torch_npu's own "cuda" -> "npu" mapping patches torch itself (not through this manager:
             # its maintainers keep it in step with torch_npu); describe lists it.
             npu.enable_transfer_to_npu()
-        from hyper_adaptor.patches.compat import fusion_switches
-
-        # the config-level fusion switches ask the adaptor for the level and for level-1 features
-        fusion_switches.connect(lambda: self.optimization_level, self.apply_feature, DEFAULT_LEVEL)
+        # the one way a patch asks the adaptor for a decision (the level of a config built without a
+        # command line, whether a level-1 feature serves a fusion switch, applying it): handed down here
+        adaptor_hooks.connect(adaptor_hooks.AdaptorHooks(
+            level=lambda: self.optimization_level,
+            feature_enabled=lambda name, args: features.get(name).is_enabled(args),
+            apply_feature=self.apply_feature,
+            default_level=DEFAULT_LEVEL,
+        ))
         self.manager.register_all(compat.patches(None))
         self.manager.register_all(
             [
@@ -116,7 +121,7 @@ class Adaptor:
         self.applied_features.add(compat.name)
 
     def prepare(self, args, say: bool = True) -> list[str]:
-        """Fill missing flags, then (DESIGN §4, docs/contract.md) every enabled feature's ``adjust``
+        """Fill missing flags, then (docs/contract.md) every enabled feature's ``adjust``
         in FEATURES order, then every enabled feature's ``validate``. Returns the notices (each is
         also said once, from rank 0)."""
         if not hasattr(args, "optimization_level"):
@@ -144,7 +149,7 @@ class Adaptor:
                 if feature.refuse_below_level:
                     raise FeatureConfigError(feature.below_level_error(args))
                 # Not an error: the same command line at a lower level must run, with Megatron's
-                # own behaviour for this feature (issue 3). Said once, naming flag and level.
+                # own behaviour for this feature. Said once, naming flag and level.
                 flags = ", ".join(f.name for f in feature.flags)
                 notices.append(
                     f"{flags} ({feature.name}) is a level-{feature.level} feature but "

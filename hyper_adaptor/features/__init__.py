@@ -13,13 +13,16 @@ from hyper_adaptor.features.fused_rope import FusedRoPE
 from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
-from hyper_adaptor.features.memory import Memory
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
+from hyper_adaptor.features.optimizer_offload import OptimizerOffload
 from hyper_adaptor.features.pipeline import Pipeline
 from hyper_adaptor.features.profiling import Profiling
+from hyper_adaptor.features.recompute import Recompute
+from hyper_adaptor.features.swap import Swap
 
-# Fixed, documented application order (torchtitan style): compatibility first, then kernels,
-# then parallel / memory algorithms.
+# Fixed, documented application order: compatibility first, then kernels, then parallel algorithms,
+# then memory (swap before recompute: recompute's checks read what is swapped, and its wrap of the
+# block constructor is declared after swap's), optimizer offload last.
 FEATURES: tuple[Feature, ...] = (
     Compat(),
     Determinism(),
@@ -34,7 +37,9 @@ FEATURES: tuple[Feature, ...] = (
     ContextParallel(),
     HSDP(),
     Pipeline(),
-    Memory(),
+    Swap(),
+    Recompute(),
+    OptimizerOffload(),
 )
 
 

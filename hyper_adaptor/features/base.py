@@ -3,12 +3,16 @@
 For every command line the adaptor runs, in this fixed order (features in ``FEATURES`` order):
 
 1. ``adjust(args)`` of each enabled feature — the only place Megatron's arguments are changed: a
-   default that cannot work is switched, a flag megatron would reject is hidden from it
-   (:func:`hide_from_megatron`); returns one notice per change;
+   default that cannot work is switched (:func:`switch`), a flag megatron would reject is hidden from
+   its checks (:func:`hide_from_megatron`), a flag hyper_adaptor serves instead of megatron is taken
+   from it for the run (:func:`take_from_megatron`); returns one notice per change. What was hidden or
+   taken is kept in one record on the namespace (:data:`RECORD`), read back with :func:`asked`;
 2. ``validate(args)`` of each enabled feature — checks only: raises FeatureConfigError naming the
    flags, never changes ``args``;
 3. megatron's own ``validate_args``; then hidden flags are put back (:func:`restore_hidden`);
-4. ``patches(args)`` of each enabled feature, registered and applied through one PatchManager.
+4. ``patches(args)`` of each enabled feature, registered and applied through one PatchManager;
+   ``patches`` is pure: it keeps nothing on the feature or in a module, everything the replacements
+   need is bound into them.
 """
 
 from __future__ import annotations
@@ -107,8 +111,11 @@ class Feature:
             flag.add_to(group)
 
     def asked_explicitly(self, args) -> bool:
-        """Requested by a flag set away from its default (Megatron-owned flags may default to on)."""
-        return any(getattr(args, f.dest, f.default()) not in (None, False, f.default()) for f in self.flags)
+        """Requested, by a flag set away from its default (Megatron-owned flags may default to on: a
+        feature served whenever megatron's default is on overrides this to say it was not asked)."""
+        if not self.requested(args):
+            return False
+        return any(_set(asked(args, f.dest, f.default()), f.default()) for f in self.flags)
 
     def fill_defaults(self, args) -> None:
         """Give namespaces built without our parser (``hyper_adaptor.adapt(args)``) the flag defaults."""
@@ -128,6 +135,10 @@ class Feature:
         return True, "requested"
 
 
+def _set(value, default) -> bool:
+    return value is not None and value is not False and value != default
+
+
 def refuse_combined(args, asked_for: str, conflicts: dict) -> None:
     """Raise FeatureConfigError ``"<asked_for> cannot be combined with <what>"`` for the first flag of
     ``conflicts`` (argument dest -> how to name it, why included) that is set in ``args``."""
@@ -136,26 +147,63 @@ def refuse_combined(args, asked_for: str, conflicts: dict) -> None:
             raise FeatureConfigError(f"{asked_for} cannot be combined with {what}")
 
 
-HIDDEN = "hyper_adaptor_hidden"  # {dest: value} of flags hidden from megatron's validate_args
+# The one record of what ``adjust`` took from megatron, kept on the namespace it was taken from (a
+# plain dict, so that megatron can print, copy and checkpoint the namespace as it does every other
+# argument): {"hidden": {dest: value}, "taken": {dest: value}}, each value the one the user gave.
+RECORD = "hyper_adaptor_taken"
 
 
-def hide_from_megatron(args, dest: str) -> None:
+def _record(args) -> dict:
+    record = getattr(args, RECORD, None)
+    if record is None:
+        record = {"hidden": {}, "taken": {}}
+        setattr(args, RECORD, record)
+    return record
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def hide_from_megatron(args, dest: str, why: str) -> str:
     """Lower a flag while megatron validates the arguments (it would reject a value that hyper_adaptor
-    serves); :func:`restore_hidden` puts it back right after, before anything is built from ``args``."""
-    hidden = dict(getattr(args, HIDDEN, None) or {})
-    hidden.setdefault(dest, getattr(args, dest))
-    setattr(args, HIDDEN, hidden)
+    serves); :func:`restore_hidden` puts it back right after, before anything is built from ``args``.
+    Returns the notice, naming the flag."""
+    _record(args)["hidden"].setdefault(dest, getattr(args, dest))
     setattr(args, dest, False)
+    return f"{_flag(dest)}: hidden from megatron's argument checks and put back right after them ({why})"
+
+
+def take_from_megatron(args, dest: str, value, why: str) -> str:
+    """Switch a megatron flag for the whole run because hyper_adaptor serves it instead (megatron's own
+    code for it must not run); the value asked stays readable through :func:`asked`. Returns the notice."""
+    _record(args)["taken"].setdefault(dest, getattr(args, dest, None))
+    return switch(args, dest, value, why)
 
 
 def restore_hidden(args) -> None:
-    for dest, value in (getattr(args, HIDDEN, None) or {}).items():
+    """Put back the flags hidden from megatron's checks (taken flags stay switched for the run)."""
+    record = getattr(args, RECORD, None)
+    if record is None:
+        return
+    for dest, value in record["hidden"].items():
         setattr(args, dest, value)
-    if hasattr(args, HIDDEN):
-        delattr(args, HIDDEN)
+    record["hidden"].clear()
+    if not record["taken"]:
+        delattr(args, RECORD)
 
 
-def asked(args, dest: str):
-    """A flag's value as the user gave it, hidden from megatron or not."""
-    hidden = getattr(args, HIDDEN, None) or {}
-    return hidden[dest] if dest in hidden else getattr(args, dest, None)
+def taken(args) -> dict:
+    """{dest: value asked} of every flag adjust hid from or took from megatron (what the record holds)."""
+    record = getattr(args, RECORD, None) or {"hidden": {}, "taken": {}}
+    return {**record["taken"], **record["hidden"]}
+
+
+def asked(args, dest: str, default=None):
+    """A flag's value as the user gave it, hidden from or taken from megatron or not."""
+    record = getattr(args, RECORD, None)
+    if record is not None:
+        for part in ("hidden", "taken"):
+            if dest in record[part]:
+                return record[part][dest]
+    return getattr(args, dest, default)

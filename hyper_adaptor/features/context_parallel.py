@@ -81,9 +81,6 @@ class ContextParallel(Feature):
     def requested(self, args) -> bool:
         return cp_size(args) > 1 and getattr(args, "transformer_impl", "local") == "local"
 
-    def asked_explicitly(self, args) -> bool:
-        return self.requested(args)
-
     def below_level_error(self, args) -> str:
         return (f"--context-parallel-size {cp_size(args)} with --transformer-impl local needs "
                 f"--optimization-level 2 (hyper_adaptor's context parallel; megatron's local attention has none); "

@@ -51,14 +51,11 @@ class Determinism(Feature):
         # read through ``asked``: between adjust and megatron's check the flag is hidden from megatron
         return bool(asked(args, DEST))
 
-    def asked_explicitly(self, args) -> bool:
-        return self.requested(args)
-
     def adjust(self, args) -> list[str]:
         # megatron's validate_args would run its own set-up (environment written outside the patch
         # manager, CUDA-only variables); this feature runs the device's one instead (patches, on_applied)
-        hide_from_megatron(args, DEST)
-        return []
+        return [hide_from_megatron(args, DEST, f"megatron's own set-up writes CUDA variables outside the patch "
+                                               f"manager; hyper_adaptor sets up {platform.device_type()} instead")]
 
     def validate(self, args) -> None:
         from hyper_adaptor.patches import determinism

@@ -7,8 +7,11 @@ hyper_adaptor/parallel/hsdp; megatron seam: hyper_adaptor/patches/hsdp.
 
 from __future__ import annotations
 
+import math
+
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
-from hyper_adaptor.patches.hsdp.patches import DEFAULT_BUCKET_KB, REDUCE_DTYPES
+from hyper_adaptor.parallel.hsdp import DEFAULT_BUCKET_KB
+from hyper_adaptor.patches.hsdp.patches import REDUCE_DTYPES
 
 
 class HSDP(Feature):
@@ -33,9 +36,6 @@ class HSDP(Feature):
 
     def requested(self, args) -> bool:
         return bool(getattr(args, "use_hsdp", False))
-
-    def asked_explicitly(self, args) -> bool:
-        return self.requested(args)
 
     def adjust(self, args) -> list[str]:
         notices = []
@@ -85,17 +85,24 @@ class HSDP(Feature):
             raise FeatureConfigError(
                 f"--use-hsdp checkpoints need --ckpt-format torch_dist (the default); got --ckpt-format {fmt}"
             )
-        dp = _data_parallel_size(args)
         shard = args.hsdp_shard_size
-        if shard != -1 and (shard < 1 or (dp and dp % shard)):
+        if shard != -1 and shard < 1:
+            raise FeatureConfigError(f"--hsdp-shard-size must be -1 (the whole data-parallel group) or a number of "
+                                     f"ranks >= 1; got {shard}")
+        dp = _data_parallel_size(args)
+        if shard != -1 and dp and dp % shard:
+            # only where the world size is known (a launched run; describe has none)
             raise FeatureConfigError(
                 f"--hsdp-shard-size {shard} must be -1 or divide the data-parallel size {dp} "
                 f"(world {args.world_size} / TP x PP x CP)"
             )
-        if args.hsdp_threshold_kb < 0:
-            raise FeatureConfigError(f"--hsdp-threshold-kb must be >= 0; got {args.hsdp_threshold_kb}")
-        if args.hsdp_bucket_size_kb < 0 and args.hsdp_bucket_size_kb != -1:
-            raise FeatureConfigError(f"--hsdp-bucket-size-kb must be -1, 0 or > 0; got {args.hsdp_bucket_size_kb}")
+        threshold = args.hsdp_threshold_kb
+        if not math.isfinite(threshold) or threshold < 0:
+            raise FeatureConfigError(f"--hsdp-threshold-kb must be a finite number >= 0; got {threshold}")
+        bucket = args.hsdp_bucket_size_kb
+        if not math.isfinite(bucket) or (bucket < 0 and bucket != -1):
+            raise FeatureConfigError(f"--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got {bucket}")
+
     def patches(self, args):
         from hyper_adaptor.patches.hsdp import patches
 

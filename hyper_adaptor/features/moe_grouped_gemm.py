@@ -44,13 +44,15 @@ class MoEGroupedGEMM(Feature):
         if not getattr(args, "moe_grouped_gemm", False):
             return []
         # megatron's validate_args checks CUDA hardware for grouped-GEMM kernels the local spec never calls
-        hide_from_megatron(args, "moe_grouped_gemm")
-        return ["--moe-grouped-gemm: served by hyper_adaptor's grouped GEMM (local spec); hidden from "
-                "megatron's CUDA compute-capability check while it validates the arguments"]
+        return [hide_from_megatron(args, "moe_grouped_gemm", "served by hyper_adaptor's grouped GEMM (local spec); "
+                                   "megatron checks a CUDA compute capability for kernels it does not call")]
 
     def validate(self, args) -> None:
-        if not getattr(args, "num_experts", None):
+        experts = getattr(args, "num_experts", None)
+        if not experts:
             raise FeatureConfigError("--moe-grouped-gemm needs --num-experts (it groups the MoE experts' GEMMs)")
+        if experts < 1:
+            raise FeatureConfigError(f"--num-experts must be >= 1 for --moe-grouped-gemm; got {experts}")
 
     def patches(self, args):
         from hyper_adaptor.patches.fused import grouped_gemm

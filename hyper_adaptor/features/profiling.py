@@ -7,28 +7,24 @@ only), ``--use-pytorch-profiler``, ``--pytorch-profiler-collect-shapes/-callstac
 (empty: every rank). Both spellings are served by one profiler, hyper_adaptor's
 (hyper_adaptor/patches/profiling): torch_npu.profiler on NPU, torch.profiler on CUDA and CPU.
 
-So that exactly one profiler runs, ``adjust`` turns megatron's ``--profile`` off (megatron's train loop
-would otherwise start nsys — ``cudaProfilerStart``, an error without CUDA — or its own torch.profiler,
-whose window is one step off the nsys one and whose trace goes under ``--tensorboard-dir/..``) and
-remembers which namespace it served (``_served``: not an attribute on ``args``, whose every change is a
-notice naming a flag). The one exception is megatron's own meaning of ``--profile`` on CUDA under
-Nsight Systems: there megatron's nsys path stays and this feature stays off.
+So that exactly one profiler runs, ``adjust`` takes megatron's ``--profile`` from it for the run
+(``take_from_megatron``: megatron's train loop would otherwise start nsys — ``cudaProfilerStart``, an
+error without CUDA — or its own torch.profiler, whose window is one step off the nsys one and whose
+trace goes under ``--tensorboard-dir/..``); the flag as asked is still read through ``asked``. The one
+exception is megatron's own meaning of ``--profile`` on CUDA under Nsight Systems: there megatron's nsys
+path stays and this feature stays off.
 """
 
 from __future__ import annotations
 
 import os
-import weakref
 
 from hyper_adaptor import platform
-from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, switch
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked, switch, take_from_megatron
 from hyper_adaptor.patches.profiling.ranks import profiled_ranks
 
 LEVELS = ("level0", "level1", "level2")
 DEFAULT_SAVE_PATH = "./profile_dir"
-# id(args) -> args whose --profile this feature serves (megatron's own then reads False); weak, so
-# a namespace that is gone cannot be mistaken for a new one with the same id
-_served: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 # Nsight Systems sets this in the processes it profiles (the marker NVTX bindings check for "nsys active")
 NSYS_ENV = "NSYS_PROFILING_SESSION_ID"
 
@@ -85,23 +81,17 @@ class Profiling(Feature):
     )
 
     def requested(self, args) -> bool:
-        if _served.get(id(args)) is args:
-            return True
-        return bool(getattr(args, "profile", False)) and not megatron_nsys(args)
-
-    def asked_explicitly(self, args) -> bool:
-        return self.requested(args)
+        return bool(asked(args, "profile")) and not megatron_nsys(args)
 
     def adjust(self, args) -> list[str]:
         notices = []
         if getattr(args, "profile", False):
             chosen = profiled_ranks(args)
             ranks = "every rank" if chosen is None else ("rank " if len(chosen) == 1 else "ranks ") + ", ".join(map(str, chosen))
-            notices.append(switch(
+            notices.append(take_from_megatron(
                 args, "profile", False,
                 f"hyper_adaptor's profiler records steps [{args.profile_step_start}, {args.profile_step_end}) on "
                 f"{ranks}; megatron's nsys / torch.profiler path is off so that one profiler runs"))
-            _served[id(args)] = args
         tensorboard = getattr(args, "tensorboard_dir", None)
         if getattr(args, "use_pytorch_profiler", False) and tensorboard and \
                 getattr(args, "profile_save_path", DEFAULT_SAVE_PATH) == DEFAULT_SAVE_PATH:

@@ -62,7 +62,8 @@ def _manager(offload: bool, hsdp: bool | str):
     from hyper_adaptor.patches.memory import optimizer as offload_patches
 
     manager = PatchManager()
-    manager.register(Patch(offload_patches.PARAM_METADATA, _count_copies, "wrap", "probe", after=("memory",)))
+    manager.register(Patch(offload_patches.PARAM_METADATA, _count_copies, "wrap", "probe",
+                           after=(offload_patches.FEATURE,)))
     if offload:
         manager.register_all(offload_patches.patches(_args()))
     if hsdp:

@@ -1,10 +1,11 @@
-"""The memory feature on megatron-core's GPT (features/memory.py, patches/memory/layers.py): each flag's
-run against the same GPT without it, 3 Adam steps on CPU/gloo, in one world per layout.
+"""The memory features on megatron-core's GPT (features/swap.py, features/recompute.py,
+patches/memory/layers.py): each flag's run against the same GPT without it, 3 Adam steps on CPU/gloo, in one
+world per layout.
 
 Swap moves saved activations to the host and back: nothing is recomputed, so losses, gradients and
 parameters are bitwise equal (tolerance 0). Recompute reruns forward ops in backward: 1e-6. Every swap
 run also shows that bytes were really moved (the engine's own count) — a swap that moved nothing would
-pass parity trivially. The flags go through the feature's adjust / validate / patches exactly as the
+pass parity trivially. The flags go through the features' adjust / validate / patches exactly as the
 adaptor runs them (megatron's --recompute-* arguments adjust writes reach the model config), with the
 patches registered in a PatchManager of the run's own, so each variant starts from unpatched megatron.
 """
@@ -56,25 +57,25 @@ def _args(flags: dict):
 def train_variants(rank: int, world_size: int, layout: dict, names: list) -> dict:
     from hyper_adaptor.features import base, get
     from hyper_adaptor.patch_manager import PatchManager
+    from hyper_adaptor.patches.memory import layers
     from tests.distributed import gpt_parity
 
-    memory = get("memory")
+    memory = [get("swap"), get("recompute")]
     results = {"reference": gpt_parity.train(rank, world_size, Layout(**layout))}
     for name in names:
         args = _args(VARIANTS[name])
-        requested = memory.requested(args)
-        notices = memory.adjust(args) if requested else []
-        if requested:
-            memory.validate(args)
+        requested = [feature for feature in memory if feature.requested(args)]
+        notices = [n for feature in requested for n in feature.adjust(args)]
+        for feature in requested:
+            feature.validate(args)
         base.restore_hidden(args)
         extra = dict(layout.get("extra", {}))
         if args.recompute_granularity is not None:
             extra.update(recompute_granularity=args.recompute_granularity, recompute_modules=args.recompute_modules)
         manager = PatchManager()
-        plan = None
-        if requested:
-            manager.register_all(memory.patches(args))
-            plan = memory.plan
+        patches = [p for feature in requested for p in feature.patches(args)]
+        manager.register_all(patches)
+        plan = layers.plan_of([p for p in patches if p.feature == "swap"])
         with manager.applied():
             result = gpt_parity.train(rank, world_size, Layout(**dict(layout, extra=extra)))
         result["moved_bytes"] = 0 if plan is None or plan.manager is None else plan.manager.moved_bytes

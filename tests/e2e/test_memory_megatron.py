@@ -34,7 +34,8 @@ def test_swap_and_recompute_flags_equal_the_plain_run_and_resume_without_them(pl
     losses, output = pretrain(2, *COMMON, "--swap-attention", "--swap-prefetch-layers", "2",
                               "--recompute-activation-function", "--recompute-norm",
                               "--save", str(ckpt), "--save-interval", "2")
-    assert "memory (level 2) applied" in output and "--recompute-modules: None -> ['layernorm']" in output
+    assert "swap (level 2) applied" in output and "recompute (level 2) applied" in output
+    assert "--recompute-modules: None -> ['layernorm']" in output
     assert sorted(losses) == sorted(want_losses) == [1, 2, 3, 4]
     assert losses == want_losses and grad_norms(output) == want_norms
 
@@ -62,7 +63,7 @@ def test_recompute_flags_under_hsdp_level3_equal_the_plain_run(plain):
     want_losses, want_norms = plain
     losses, output = pretrain(2, *COMMON, "--use-hsdp", "--hsdp-optimizer-level", "level3", "--swap-attention",
                               "--recompute-norm", "--recompute-activation-function")
-    assert "hsdp (level 2) applied" in output and "memory (level 2) applied" in output
+    assert "hsdp (level 2) applied" in output and "recompute (level 2) applied" in output
     norms = grad_norms(output)
     assert sorted(losses) == sorted(want_losses) == [1, 2, 3, 4]
     assert all(_close(losses[i], want_losses[i]) for i in want_losses), (losses, want_losses)

@@ -48,7 +48,7 @@ def test_offload_matches_megatrons_optimizer_through_pretrain_gpt(name):
     assert grad_norms(output) == grad_norms(reference_output)
     assert params_norms(output) == params_norms(reference_output)
     assert len(params_norms(output)) == (3 if "--log-params-norm" in flags else 0)
-    assert "memory (level 2) applied" in output
+    assert "optimizer_offload (level 2) applied" in output
     # megatron's wrapper for the layout built, its optimizer swapped for (or served by) the engine
     assert served in output
     assert "OffloadOptimizer" not in reference_output

@@ -182,6 +182,8 @@ def test_describe_reports_bad_level():
         (("--use-fused-rmsnorm",), "--use-fused-rmsnorm needs --normalization RMSNorm, got --normalization LayerNorm"),
         (("--use-fused-rotary-pos-emb", "--position-embedding-type", "learned_absolute"),
          "--use-fused-rotary-pos-emb needs --position-embedding-type rope"),
+        (("--moe-grouped-gemm",), "--moe-grouped-gemm needs --num-experts"),
+        (("--moe-grouped-gemm", "--num-experts", "-4"), "--num-experts must be >= 1 for --moe-grouped-gemm; got -4"),
     ],
 )
 def test_level1_flag_conflicts_name_the_flags(flags, message):
@@ -203,42 +205,7 @@ def test_unknown_fused_backend_is_an_argparse_error(capsys):
     assert "--fused-backend" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- the feature contract (issue 13)
-
-ALL_FLAGS = (
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-    "--max-position-embeddings", "32", "--micro-batch-size", "1", "--normalization", "RMSNorm", "--swiglu",
-    "--position-embedding-type", "rope", "--use-fused-rmsnorm", "--use-fused-swiglu",
-    "--use-fused-rotary-pos-emb", "--use-flash-attn", "--num-experts", "4", "--moe-grouped-gemm",
-    "--fused-backend", "eager", "--use-hsdp", "--fp16", "--context-parallel-size", "2",
-    "--context-parallel-algo", "hybrid", "--ulysses-degree-in-cp", "2", "--attention-dropout", "0",
-)
-
-
-def test_validate_only_checks_and_adjust_says_every_change():
-    """adjust() is where arguments change, with one notice per change; validate() of every feature
-    leaves the namespace exactly as it found it (so the order features validate in cannot matter)."""
-    import copy
-
-    args = megatron_args(*ALL_FLAGS)
-    args.rank, args.world_size = 0, 1
-    before = copy.deepcopy(vars(args))
-    notices = []
-    for feature in features.FEATURES:
-        if feature.is_enabled(args):
-            notices += feature.adjust(args)
-    changed = {k for k in vars(args) if vars(args)[k] != before.get(k)} - {"hyper_adaptor_hidden"}
-    for dest in changed:  # every change is said, naming the flag
-        flag = "--" + dest.replace("_", "-")
-        assert any(flag in n for n in notices), (flag, notices)
-    assert {"hsdp_reduce_dtype", "gradient_accumulation_fusion", "moe_grouped_gemm", "distributed_backend",
-            "cp_comm_type", "hierarchical_context_parallel_sizes"} <= changed
-    adjusted = copy.deepcopy(vars(args))
-    enabled = [f for f in features.FEATURES if f.is_enabled(args)]
-    assert {f.name for f in enabled} >= {"compat", "fused_rmsnorm", "moe_grouped_gemm", "hsdp", "context_parallel"}
-    for feature in reversed(enabled):  # any order
-        feature.validate(args)
-        assert vars(args) == adjusted, feature.name
+# the feature contract itself, every feature's flags on: tests/unit/test_contract.py
 
 
 def test_describe_shows_adjustments_and_marks_a_missing_target(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 
 import hyper_adaptor.megatron_adaptor as adaptor_module
 from hyper_adaptor import features
-from hyper_adaptor.features.base import HIDDEN, restore_hidden
+from hyper_adaptor.features.base import RECORD, restore_hidden, taken
 from hyper_adaptor.patches.compat.arguments import switch_unworkable_defaults
 from tests.unit.test_adaptor import megatron_args
 
@@ -47,10 +47,10 @@ def test_level_1_keeps_moe_grouped_gemm_on():
     # hides it from megatron's check; the adaptor puts it back after megatron's validate_args).
     args = _args(1, "--moe-grouped-gemm")
     ADAPTOR.prepare(args)
-    assert args.moe_grouped_gemm is False and getattr(args, HIDDEN) == {"moe_grouped_gemm": True}
+    assert args.moe_grouped_gemm is False and taken(args) == {"moe_grouped_gemm": True}
     assert features.get("moe_grouped_gemm").is_enabled(args)
     restore_hidden(args)
-    assert args.moe_grouped_gemm is True and not hasattr(args, HIDDEN)
+    assert args.moe_grouped_gemm is True and not hasattr(args, RECORD)
 
 
 def test_level_0_on_cuda_is_megatrons_behaviour():

@@ -68,7 +68,14 @@ def _prepare(*flags, world=4):
          "--hsdp-shard-size 4 must be -1 or divide the data-parallel size 2"),
         (("--save", "/tmp/x", "--ckpt-format", "torch"),
          "--use-hsdp checkpoints need --ckpt-format torch_dist \\(the default\\); got --ckpt-format torch"),
-        (("--hsdp-threshold-kb", "-1"), "--hsdp-threshold-kb must be >= 0"),
+        (("--hsdp-threshold-kb", "-1"), "--hsdp-threshold-kb must be a finite number >= 0; got -1.0"),
+        (("--hsdp-threshold-kb", "nan"), "--hsdp-threshold-kb must be a finite number >= 0; got nan"),
+        (("--hsdp-threshold-kb", "inf"), "--hsdp-threshold-kb must be a finite number >= 0; got inf"),
+        (("--hsdp-bucket-size-kb", "nan"), "--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got nan"),
+        (("--hsdp-bucket-size-kb", "inf"), "--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got inf"),
+        (("--hsdp-bucket-size-kb", "-2"), "--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got -2.0"),
+        (("--hsdp-shard-size", "0"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got 0"),
+        (("--hsdp-shard-size", "-2"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got -2"),
         (("--num-experts", "4", "--expert-model-parallel-size", "2"),
          "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 2"),
         (("--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
@@ -78,6 +85,16 @@ def _prepare(*flags, world=4):
 def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
     with pytest.raises(FeatureConfigError, match=message):
         _prepare("--use-hsdp", *flags)
+
+
+@pytest.mark.parametrize("shard", ["0", "-3"])
+def test_shard_size_is_refused_by_name_without_a_world_size(shard):
+    # describe and hyper_adaptor.adapt(args) may have no world size: the range check needs none
+    args = megatron_args("--use-hsdp", "--hsdp-shard-size", shard)
+    assert not hasattr(args, "world_size")
+    with pytest.raises(FeatureConfigError, match=f"--hsdp-shard-size must be -1 .*; got {shard}"):
+        ADAPTOR.prepare(args, say=False)
+    ADAPTOR.prepare(megatron_args("--use-hsdp", "--hsdp-shard-size", "3"), say=False)  # divisibility: needs a world
 
 
 def test_hsdp_flags_switch_off_grad_accumulation_fusion_and_map_to_the_engine(capsys):

@@ -25,7 +25,7 @@ EVERY_FEATURE = (
     "--position-embedding-type rope --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
     "--use-flash-attn --num-experts 4 --moe-grouped-gemm --fused-backend eager --use-hsdp "
     "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0 "
-    "--profile --deterministic-mode --swap-attention --optimizer-cpu-offload "
+    "--profile --deterministic-mode --swap-attention --recompute-activation-function --optimizer-cpu-offload "
     "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --untie-embeddings-and-output-weights "
     "--pipeline-schedule interleaved"
 ).split()

@@ -1,24 +1,34 @@
-"""--optimizer-cpu-offload's flag handling (hyper_adaptor/features/memory_optimizer.py: adjust, validate;
+"""--optimizer-cpu-offload's flag handling (hyper_adaptor/features/optimizer_offload.py: adjust, validate;
 patches), one process. The served optimizer itself: tests/distributed/test_optimizer_offload_megatron.py."""
 
 import pytest
 
 import hyper_adaptor.megatron_adaptor as adaptor_module
-from hyper_adaptor.features import FeatureConfigError
+from hyper_adaptor.features import FeatureConfigError, get
 from hyper_adaptor.features.base import restore_hidden
 from hyper_adaptor.patch_manager import PatchManager
-from hyper_adaptor.features import memory_optimizer as optimizer
 from hyper_adaptor.patches.memory import optimizer as optimizer_patches
 from tests.unit.test_adaptor import megatron_args
+
+
+optimizer = get("optimizer_offload")
+HIDE = "--optimizer-cpu-offload: hidden from megatron's argument checks"
 
 
 def _args(*flags):
     return megatron_args("--optimizer-cpu-offload", *flags)
 
 
+def _adjust(args) -> list[str]:
+    """The feature's notices after the one that says the flag is hidden from megatron's check."""
+    notices = optimizer.adjust(args)
+    assert notices[0].startswith(HIDE), notices
+    return notices[1:]
+
+
 def test_adjust_hides_the_flag_from_megatron_and_puts_it_back():
     args = _args()
-    assert optimizer.adjust(args) == []
+    assert _adjust(args) == []
     # megatron's validate_args asserts --use-precision-aware-optimizer when it sees the flag
     assert args.optimizer_cpu_offload is False
     restore_hidden(args)
@@ -27,7 +37,7 @@ def test_adjust_hides_the_flag_from_megatron_and_puts_it_back():
 
 def test_megatrons_precision_aware_flag_given_along_is_switched_off_with_a_notice():
     args = _args("--use-precision-aware-optimizer")
-    notices = optimizer.adjust(args)
+    notices = _adjust(args)
     assert args.use_precision_aware_optimizer is False
     assert len(notices) == 1 and notices[0].startswith("--use-precision-aware-optimizer: True -> False")
     optimizer.validate(args)
@@ -38,7 +48,7 @@ def test_precision_aware_flag_kept_where_megatrons_own_path_takes_it(precision):
     # the distributed optimizer in half precision: megatron's precision-aware path (no fp32 main copies
     # beside the parameters), served by the OffloadedHybridOptimizer patch
     args = _args("--use-precision-aware-optimizer", "--use-distributed-optimizer", precision)
-    assert optimizer.adjust(args) == []
+    assert _adjust(args) == []
     assert args.use_precision_aware_optimizer is True
     optimizer.validate(args)
 
@@ -48,7 +58,7 @@ def test_precision_aware_flag_kept_where_megatrons_own_path_takes_it(precision):
                                    ("--bf16", "--use-distributed-optimizer", "--optimizer", "sgd")])
 def test_precision_aware_flag_switched_off_where_megatrons_path_cannot_take_it(flags):
     args = _args("--use-precision-aware-optimizer", *flags)
-    notices = optimizer.adjust(args)
+    notices = _adjust(args)
     assert args.use_precision_aware_optimizer is False
     assert notices[0].startswith("--use-precision-aware-optimizer: True -> False")
     # with the distributed optimizer in half precision the user also hears that its fp32 main shards stay
@@ -62,17 +72,17 @@ def test_precision_aware_flag_switched_off_where_megatrons_path_cannot_take_it(f
 @pytest.mark.parametrize("flags,told", [(("--bf16",), False), (("--bf16", "--use-distributed-optimizer"), True),
                                         (("--use-distributed-optimizer",), False)])
 def test_half_precision_offload_without_megatrons_path_says_where_the_fp32_main_copies_stay(flags, told):
-    notices = optimizer.adjust(_args(*flags))
+    notices = _adjust(_args(*flags))
     assert notices == ([] if not told else [notices[0]])
     if told:
         assert "--use-precision-aware-optimizer keeps them on the host only" in notices[0]
 
 
-def test_without_the_flag_nothing_changes():
+def test_without_the_flag_the_feature_is_off_and_nothing_changes():
     args = megatron_args("--use-precision-aware-optimizer")
-    assert optimizer.adjust(args) == []
+    assert not optimizer.requested(args)
+    adaptor_module.ADAPTOR.prepare(args, say=False)
     assert args.use_precision_aware_optimizer is True and args.optimizer_cpu_offload is False
-    optimizer.validate(args)
 
 
 @pytest.mark.parametrize(
@@ -80,6 +90,8 @@ def test_without_the_flag_nothing_changes():
     [
         (("--optimizer-offload-fraction", "1.5"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got 1.5"),
         (("--optimizer-offload-fraction", "-0.1"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got -0.1"),
+        (("--optimizer-offload-fraction", "nan"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got nan"),
+        (("--optimizer-offload-fraction", "inf"), r"--optimizer-offload-fraction must be in \[0, 1\] .*got inf"),
         (("--optimizer", "lion"), "--optimizer-cpu-offload serves --optimizer adam or sgd .*got --optimizer lion"),
         (("--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16"), "--exp-avg-dtype bf16 .*cannot be served"),
         (("--main-params-dtype", "fp16"), "--main-params-dtype fp16"),
@@ -103,7 +115,7 @@ def test_fractions_in_range_and_sgd_are_served(fraction):
 
 
 def test_through_the_adaptor_megatrons_command_line_passes_its_own_check():
-    # the memory feature calls adjust / validate; megatron's assertion (arguments.py:1803) sees the
+    # the optimizer_offload feature's adjust / validate run; megatron's assertion (arguments.py:1803) sees the
     # flag lowered, so `--optimizer-cpu-offload --use-precision-aware-optimizer` (megatron's spelling)
     # and `--optimizer-cpu-offload` alone both get past it
     for extra in ((), ("--use-precision-aware-optimizer",)):

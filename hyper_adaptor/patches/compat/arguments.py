@@ -47,16 +47,18 @@ def switch_unworkable_defaults(args, device_type: str) -> list[str]:
     # The fusion switches megatron-core also reads from a TransformerConfig: one decision table for
     # both (fusion_switches.py). On the command line a level-1 feature serves a switch only when that
     # feature is itself enabled (e.g. --use-fused-rotary-pos-emb for apply_rope_fusion).
-    from hyper_adaptor import features
+    # Whether that feature is enabled is the adaptor's decision, handed down at bootstrap (adaptor_hooks).
+    from hyper_adaptor.patches import adaptor_hooks
     from hyper_adaptor.patches.compat import fusion_switches
 
+    feature_enabled = adaptor_hooks.current().feature_enabled
     level = getattr(args, "optimization_level", 0)
     for name, entry in fusion_switches.SWITCHES.items():
         # megatron.training derives persist_layer_norm = not no_persist_layer_norm (on by default).
         dest, on = ("no_persist_layer_norm", False) if name == "persist_layer_norm" else (name, True)
         if getattr(args, dest, not on) != on:
             continue
-        available = entry.served_by is not None and features.get(entry.served_by).is_enabled(args)
+        available = entry.served_by is not None and feature_enabled(entry.served_by, args)
         decision = fusion_switches.decide(name, device_type, level, feature_available=available)
         if not decision.value:
             notices.append(switch(args, dest, dest == "no_persist_layer_norm", decision.why))

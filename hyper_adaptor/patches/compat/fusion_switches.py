@@ -13,7 +13,9 @@ with one notice. Switches megatron serves with its own torch code on every devic
 needs deciding for them.
 
 The level for a config built without a command line: the one given to ``hyper_adaptor.adapt(args)``
-if it was called, else ``HYPER_ADAPTOR_OPTIMIZATION_LEVEL``, else the command line's default.
+if it was called, else ``HYPER_ADAPTOR_OPTIMIZATION_LEVEL``, else the command line's default. The
+adaptor's answers (that level, applying a level-1 feature) come through
+:mod:`hyper_adaptor.patches.adaptor_hooks`, filled at bootstrap.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable
-
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches import adaptor_hooks
 
 FEATURE = "compat"
 LEVEL_ENV = "HYPER_ADAPTOR_OPTIMIZATION_LEVEL"
@@ -90,34 +91,15 @@ def decide(name: str, device_type: str, level: int, feature_available: bool = Tr
     return Decision(False, None, switch.why_off)
 
 
-@dataclasses.dataclass
-class _Adaptor:
-    """What this seam needs of the adaptor, handed down by it (``connect``): patches never import the
-    layers above them. ``level()``: the level the adaptor prepared (None before any); ``apply_feature``:
-    apply a level-1 feature a config asked for; ``default_level``: the command line's default."""
-
-    level: Callable[[], int | None] = lambda: None
-    apply_feature: Callable[[str, int], None] | None = None
-    default_level: int = 2
-
-
-_adaptor = _Adaptor()
-
-
-def connect(level: Callable[[], int | None], apply_feature: Callable[[str, int], None], default_level: int) -> None:
-    """Called once by hyper_adaptor.megatron_adaptor at bootstrap."""
-    global _adaptor
-    _adaptor = _Adaptor(level, apply_feature, default_level)
-
-
 def optimization_level() -> int:
     """The level for code that has no command line (see the module docstring)."""
-    prepared = _adaptor.level()
+    hooks = adaptor_hooks.current()
+    prepared = hooks.level()
     if prepared is not None:
         return prepared
     value = os.environ.get(LEVEL_ENV)
     if value is None:
-        return _adaptor.default_level
+        return hooks.default_level
     if value not in ("0", "1", "2"):
         raise ValueError(f"{LEVEL_ENV} must be 0, 1 or 2; got {value!r}")
     return int(value)
@@ -130,13 +112,14 @@ def _deciding_fusion_switches(original):
         from hyper_adaptor.notice import notice
 
         level = optimization_level()
+        apply_feature = adaptor_hooks.current().apply_feature
         for name in SWITCHES:
             if not getattr(self, name, False):
                 continue
             decision = decide(name, platform.device_type(), level)
             setattr(self, name, decision.value)
-            if decision.served_by and _adaptor.apply_feature is not None:
-                _adaptor.apply_feature(decision.served_by, level)
+            if decision.served_by and apply_feature is not None:
+                apply_feature(decision.served_by, level)
             if decision.why:
                 notice(f"TransformerConfig.{name}: True -> {decision.value} ({decision.why})")
         return original(self)

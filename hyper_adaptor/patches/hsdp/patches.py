@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hyper_adaptor.parallel.hsdp._config import DEFAULT_BUCKET_KB
 from hyper_adaptor.patch_manager import Patch
 
 FEATURE = "hsdp"
 OPTIMIZER = "megatron.core.optimizer.optimizer"
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-__all__ = ["DEFAULT_BUCKET_KB", "REDUCE_DTYPES", "hsdp_kwargs", "patches"]  # the bucket default: the flag's (features/)
+__all__ = ["REDUCE_DTYPES", "hsdp_kwargs", "patches"]
 
 
 def hsdp_kwargs(args) -> dict:

@@ -5,7 +5,8 @@ pipeline stage or virtual chunk), the wrap wraps the chosen submodules of each l
 engine's ``swap_wrapper`` / ``checkpoint_wrapper`` (instance attributes: parameter names, state dicts and
 checkpoints are unchanged). Nothing of megatron's forward is copied.
 
-A :class:`MemoryPlan` says what to do; ``hyper_adaptor.features.memory`` builds it from the flags:
+A :class:`MemoryPlan` says what to do; the features ``swap`` and ``recompute`` build theirs from the flags
+(each registers its own wrap of the constructor, on different submodules):
 
 * ``swap``: names of what to swap in every layer (``SWAP_TARGETS``: ``--swap-modules`` names, megatron's
   ``--offload-modules`` names, ``layer`` for a whole layer), the saved activations moved to the host after
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hyper_adaptor.patch_manager import Patch
 
-FEATURE = "memory"
+FEATURE = "swap"
 BLOCK_INIT = "megatron.core.transformer.transformer_block.TransformerBlock.__init__"
 
 # name -> attribute path in a megatron TransformerLayer (several paths: each one wrapped)
@@ -116,13 +117,19 @@ def _block_init(plan: MemoryPlan):
 
         return __init__
 
+    wrap.plan = plan  # the plan is bound here, not kept anywhere else (plan_of reads it back)
     return wrap
 
 
-def patches(plan: MemoryPlan) -> list[Patch]:
+def patches(plan: MemoryPlan, feature: str = FEATURE, after: tuple[str, ...] = ()) -> list[Patch]:
     if not (plan.swaps or plan.recompute_activation):
         return []
-    return [Patch(BLOCK_INIT, _block_init(plan), "wrap", FEATURE)]
+    return [Patch(BLOCK_INIT, _block_init(plan), "wrap", feature, after=after)]
 
 
-__all__ = ["MemoryPlan", "OFFLOAD_MODULES", "SWAP_MODULES", "SWAP_TARGETS", "apply_to_layer", "patches"]
+def plan_of(patches_: list[Patch]) -> MemoryPlan | None:
+    """The plan bound into the block-constructor wrap among ``patches_`` (its swap manager counts what moved)."""
+    return next((p.replacement.plan for p in patches_ if p.target == BLOCK_INIT), None)
+
+
+__all__ = ["MemoryPlan", "OFFLOAD_MODULES", "SWAP_MODULES", "SWAP_TARGETS", "apply_to_layer", "patches", "plan_of"]

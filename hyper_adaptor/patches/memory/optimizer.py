@@ -44,7 +44,7 @@ from hyper_adaptor.patches.memory.main_copies import (copies_to_release, loading
                                                       state_dict_with_host_masters, without_hosted_pairs)
 from hyper_adaptor.patches.memory.torch_optimizer import OffloadedTorchOptimizer
 
-FEATURE = "memory"
+FEATURE = "optimizer_offload"
 FACTORY = "megatron.core.optimizer._get_megatron_optimizer_based_on_param_groups"
 HYBRID = "megatron.core.optimizer.cpu_offloading.hybrid_optimizer.HybridDeviceOptimizer"
 FLOAT16 = "megatron.core.optimizer.optimizer.Float16OptimizerWithFloat16Params"

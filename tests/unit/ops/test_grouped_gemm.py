@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron imports on CPU)
 from hyper_adaptor.features.base import FeatureConfigError
-from hyper_adaptor.features.base import HIDDEN, restore_hidden
+from hyper_adaptor.features.base import RECORD, restore_hidden, taken
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
 from hyper_adaptor.ops import backend as ops_backend
 from hyper_adaptor.ops import grouped_gemm as gg
@@ -336,7 +336,7 @@ def test_feature_hides_the_flag_from_megatrons_check_and_restores_it():
     feature, args = MoEGroupedGEMM(), _args()
     notices = feature.adjust(args)
     assert len(notices) == 1 and "--moe-grouped-gemm" in notices[0]
-    assert args.moe_grouped_gemm is False and getattr(args, HIDDEN) == {"moe_grouped_gemm": True}
+    assert args.moe_grouped_gemm is False and taken(args) == {"moe_grouped_gemm": True}
     assert feature.is_enabled(args)  # still requested while megatron validates
     restore_hidden(args)
     assert args.moe_grouped_gemm is True
