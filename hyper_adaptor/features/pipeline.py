@@ -102,7 +102,6 @@ class Pipeline(Feature):
             }
             refuse_combined(args, flag, refused)
         refuse_combined(args, flag, {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-                                     "variable_seq_lengths": "--variable-seq-lengths",
                                      "use_megatron_fsdp": "--use-megatron-fsdp"})
         micro = _micro_batches(args)
         if micro is not None:
