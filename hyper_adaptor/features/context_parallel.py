@@ -21,16 +21,12 @@ hybrid algorithm runs on; ``validate`` refuses the two spellings disagreeing.
 from __future__ import annotations
 
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
-from hyper_adaptor.patches.context.attention import COMM_TYPE_ALGO
+from hyper_adaptor.patches.context.attention import ALGORITHMS, COMM_TYPE_ALGO, DEFAULT_ALGORITHM
 
-# --context-parallel-algo value -> the algorithm; MindSpeed's names first
-ALGO_NAMES = {
-    "ulysses_cp_algo": "ulysses", "megatron_cp_algo": "ring", "hybrid_cp_algo": "hybrid",
-    "ulysses": "ulysses", "ring": "ring", "hybrid": "hybrid", "allgather": "allgather",
-}
-# the algorithm -> megatron's --cp-comm-type value (COMM_TYPE_ALGO: the other way)
-ALGO_COMM_TYPE = {"ring": "p2p", "ulysses": "a2a", "allgather": "allgather", "hybrid": "a2a+p2p"}
-MEGATRON_DEFAULT_COMM_TYPE = ["p2p"]
+# --context-parallel-algo value -> the algorithm: MindSpeed's names, then the algorithms' own
+ALGO_NAMES = {**{a["mindspeed"]: name for name, a in ALGORITHMS.items() if a["mindspeed"]},
+              **{name: name for name in ALGORITHMS}}
+MEGATRON_DEFAULT_COMM_TYPE = [ALGORITHMS[DEFAULT_ALGORITHM]["comm_type"]]
 
 
 def cp_size(args) -> int:
@@ -88,14 +84,14 @@ class ContextParallel(Feature):
 
     def algorithm(self, args) -> str:
         asked = _asked_algo(args)
-        return asked if asked is not None else COMM_TYPE_ALGO.get(_comm_types(args)[0], "ring")
+        return asked if asked is not None else COMM_TYPE_ALGO.get(_comm_types(args)[0], DEFAULT_ALGORITHM)
 
     def adjust(self, args) -> list[str]:
         notices = []
         asked = _asked_algo(args)
         comm = _comm_types(args)
-        if asked is not None and comm == MEGATRON_DEFAULT_COMM_TYPE and asked != "ring":
-            notices.append(switch(args, "cp_comm_type", [ALGO_COMM_TYPE[asked]],
+        if asked is not None and comm == MEGATRON_DEFAULT_COMM_TYPE and asked != DEFAULT_ALGORITHM:
+            notices.append(switch(args, "cp_comm_type", [ALGORITHMS[asked]["comm_type"]],
                                   f"--context-parallel-algo {args.context_parallel_algo}"))
         algo = self.algorithm(args)
         degree = getattr(args, "ulysses_degree_in_cp", None)
@@ -111,10 +107,10 @@ class ContextParallel(Feature):
         asked = _asked_algo(args)
         comm = _comm_types(args)
         comm_algos = {COMM_TYPE_ALGO.get(c) for c in comm}
-        unknown = [c for c in comm if c not in ALGO_COMM_TYPE.values() and c != "all_gather"]
+        unknown = [c for c in comm if c not in COMM_TYPE_ALGO]
         if unknown:
             raise FeatureConfigError(f"--cp-comm-type {' '.join(comm)}: unknown value {unknown[0]!r}; "
-                                     f"choose from {', '.join(sorted(ALGO_COMM_TYPE.values()))}")
+                                     f"choose from {', '.join(sorted(a['comm_type'] for a in ALGORITHMS.values()))}")
         if len(comm_algos) > 1:
             raise FeatureConfigError(f"--cp-comm-type {' '.join(comm)}: one algorithm for every layer is served "
                                      "on the local spec; give a single value")

@@ -11,7 +11,7 @@ split each backward into input and weight gradients (:mod:`hyper_adaptor.patches
 from __future__ import annotations
 
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, refuse_combined, switch
-from hyper_adaptor.patches.pipeline.schedules import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_SCHEDULES
+from hyper_adaptor.parallel.pipeline import CHUNKED_SCHEDULES, SCHEDULES, SPLIT_WEIGHT_SCHEDULES
 
 
 def _pp(args) -> int:
@@ -92,7 +92,7 @@ class Pipeline(Feature):
                       "account_for_loss_in_pipeline_split": "--account-for-loss-in-pipeline-split",
                       "mtp_num_layers": "--mtp-num-layers"}
             refuse_combined(args, f"{flag} (equal stages in a V)", uneven)
-        if name in SPLIT_SCHEDULES:
+        if name in SPLIT_WEIGHT_SCHEDULES:
             refused = {
                 "overlap_grad_reduce": "--overlap-grad-reduce (weight gradients arrive in the W steps, after "
                                        "megatron's per-parameter reduction hooks would have fired)",
@@ -102,14 +102,13 @@ class Pipeline(Feature):
             }
             refuse_combined(args, flag, refused)
         refuse_combined(args, flag, {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-                                     "variable_seq_lengths": "--variable-seq-lengths",
                                      "use_megatron_fsdp": "--use-megatron-fsdp"})
         micro = _micro_batches(args)
         if micro is not None:
-            from hyper_adaptor.patches.pipeline.schedules import _lists
+            from hyper_adaptor.patches.pipeline.schedules import action_lists
 
             try:
-                _lists(name, pp, micro, chunks, False)
+                action_lists(name, pp, micro, chunks, False)
             except ValueError as err:
                 raise FeatureConfigError(str(err)) from err
 

@@ -13,8 +13,14 @@ import torch
 from hyper_adaptor import platform
 
 
-class HostBufferPool:
+class SwapBufferPool:
     """Flat uint8 host buffers, free lists keyed by exact byte size.
+
+    Not HSDP's :class:`hyper_adaptor.parallel.hsdp.HostBufferPool`, although both keep host memory for
+    reuse: that one is a bounded cache of unpinned CPU buffers for collectives, handing out the smallest
+    block that fits as a view and forgetting blocks beyond ``keep``; this one owns page-locked staging
+    buffers for device <-> host copies, which must be given back whole, are reused only at their exact
+    size (a step swaps the same shapes every time) and stay until :meth:`clear`.
 
     ``acquire(n)`` returns a free buffer of ``n`` bytes (or allocates one); ``release(buf)`` gives it back.
     The caller orders reuse: a buffer released after its last copy was *issued* on the copy stream may be
@@ -40,7 +46,7 @@ class HostBufferPool:
 
     def release(self, buf: torch.Tensor) -> None:
         if buf.data_ptr() not in self._all:
-            raise ValueError("HostBufferPool.release: this buffer was not acquired from this pool")
+            raise ValueError("SwapBufferPool.release: this buffer was not acquired from this pool")
         self._free[buf.numel()].append(buf)
 
     def owns(self, data_ptr: int) -> bool:

@@ -40,7 +40,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hyper_adaptor import platform
-from hyper_adaptor.memory._pool import HostBufferPool
+from hyper_adaptor.memory._pool import SwapBufferPool
 
 
 class SwapError(RuntimeError):
@@ -171,7 +171,7 @@ class SwapManager:
     ahead of the device frees nothing until the backward, tests/gpu shows it).
     """
 
-    def __init__(self, *, min_bytes: int = 1 << 16, prefetch: int = 1, pool: HostBufferPool | None = None,
+    def __init__(self, *, min_bytes: int = 1 << 16, prefetch: int = 1, pool: SwapBufferPool | None = None,
                  device_type: str | None = None, offloads_in_flight: int | None = 1) -> None:
         if min_bytes < 0:
             raise ValueError(f"SwapManager: min_bytes must be >= 0, got {min_bytes}")
@@ -183,7 +183,7 @@ class SwapManager:
         self.device_type = device_type or platform.device_type()
         self.min_bytes = min_bytes
         self.prefetch = prefetch
-        self.pool = pool or HostBufferPool(pin=platform.pin_memory_available(self.device_type))
+        self.pool = pool or SwapBufferPool(pin=platform.pin_memory_available(self.device_type))
         self.trace: list[tuple[str, object]] = []
         self._open: list[SwapGroup] = []      # nested open groups, innermost last
         self._chain: list[SwapGroup] = []     # groups of the forward in flight, in forward order

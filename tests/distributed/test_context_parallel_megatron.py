@@ -14,6 +14,7 @@ gradient fails. bf16: ``gpt_parity.BF16`` at the first step.
 
 import pytest
 
+from hyper_adaptor.patches.context.attention import ALGORITHMS
 from hyper_adaptor.testing import run_world
 from tests.distributed.gpt_parity import BF16, SEQ, Layout, compare, missed_wrong_gradients
 
@@ -22,7 +23,6 @@ pytestmark = pytest.mark.distributed
 TARGET = "tests.distributed.gpt_parity:train_many"
 FP32 = dict(loss_rtol=1e-5, grad_rtol=1e-4, param_atol=1e-4)
 BF16_FIRST_STEP = dict(BF16, grad_steps=1)
-COMM_TYPE = {"ring": "p2p", "ulysses": "a2a", "allgather": "allgather", "hybrid": "a2a+p2p"}
 LEVEL1 = dict(use_fused_rmsnorm=True, use_fused_swiglu=True, use_fused_rotary_pos_emb=True, use_flash_attn=True,
               gradient_accumulation_fusion=True, normalization="RMSNorm", swiglu=True, bias_swiglu_fusion=True,
               position_embedding_type="rope")
@@ -51,7 +51,8 @@ def _layout(cp: int = 1, algo: str = "ring", bf16: bool = False, tp: int = 1, pp
         flags = dict(optimization_level=2, context_parallel_size=cp, context_parallel_algo=algo,
                      ulysses_degree_in_cp=2 if algo == "hybrid" else None, num_attention_heads=4,
                      tensor_model_parallel_size=tp, seq_length=SEQ, attention_dropout=0.0, **(features or {}))
-    return Layout(tp=tp, pp=pp, cp=cp, cp_comm_type=COMM_TYPE[algo] if cp > 1 else None, hierarchical_cp=hierarchical,
+    comm_type = ALGORITHMS[algo]["comm_type"] if cp > 1 else None
+    return Layout(tp=tp, pp=pp, cp=cp, cp_comm_type=comm_type, hierarchical_cp=hierarchical,
                   bf16=bf16, extra=_modern(**(extra or {})), model=dict(position_embedding_type="rope"), features=flags,
                   **layout)
 

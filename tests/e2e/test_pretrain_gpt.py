@@ -27,10 +27,10 @@ MODEL = (
 ).split()
 
 
-def pretrain(nproc, *args, timeout=420, model=MODEL, env=None):
+def pretrain(nproc, *args, timeout=420, model=MODEL, env=None, script="examples/pretrain_gpt.py"):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), "examples/pretrain_gpt.py", *model, *args,
+        "--master-port", str(free_port()), script, *model, *args,
     ]
     # PYTHONFAULTHANDLER: a rank that hangs past the timeout is sent SIGABRT, and prints where every
     # thread of it stands before the run is killed (the test still fails, with the stacks in its message)

@@ -20,25 +20,29 @@ def _prepare(*flags):
     return args, notices
 
 
-@pytest.mark.parametrize("flags, algo", [
-    ((), "ring"),
-    (("--context-parallel-algo", "megatron_cp_algo"), "ring"),
-    (("--context-parallel-algo", "ulysses_cp_algo"), "ulysses"),
-    (("--context-parallel-algo", "ulysses"), "ulysses"),
-    (("--context-parallel-algo", "allgather"), "allgather"),
-    (("--cp-comm-type", "a2a"), "ulysses"),
-    (("--cp-comm-type", "allgather"), "allgather"),
-    (("--cp-comm-type", "p2p"), "ring"),
-    (("--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"), "hybrid"),
-    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"), "hybrid"),
+# each line: what megatron's layers are handed (--cp-comm-type, TransformerEngine's names) and the algorithm
+# the adaptor runs, written out per case rather than read from the table under test
+@pytest.mark.parametrize("flags, algo, comm_type", [
+    ((), "ring", "p2p"),
+    (("--context-parallel-algo", "megatron_cp_algo"), "ring", "p2p"),
+    (("--context-parallel-algo", "ulysses_cp_algo"), "ulysses", "a2a"),
+    (("--context-parallel-algo", "ulysses"), "ulysses", "a2a"),
+    (("--context-parallel-algo", "allgather"), "allgather", "allgather"),
+    (("--cp-comm-type", "a2a"), "ulysses", "a2a"),
+    (("--cp-comm-type", "allgather"), "allgather", "allgather"),
+    (("--cp-comm-type", "p2p"), "ring", "p2p"),
+    (("--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"), "hybrid", "a2a+p2p"),
+    (("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"), "hybrid", "a2a+p2p"),
 ])
-def test_both_spellings_select_the_algorithm(flags, algo):
+def test_both_spellings_select_the_algorithm(flags, algo, comm_type):
+    from hyper_adaptor.patches.context.attention import COMM_TYPE_ALGO
+
     args, _ = _prepare("--context-parallel-size", "4", *flags)
     cp = features.get("context_parallel")
     assert cp.is_enabled(args) and cp.algorithm(args) == algo
-    # megatron hands each layer's core attention its --cp-comm-type: it must say the same algorithm
-    assert args.cp_comm_type == [{"ring": "p2p", "ulysses": "a2a", "allgather": "allgather",
-                                  "hybrid": "a2a+p2p"}[algo]]
+    # megatron hands each layer's core attention its --cp-comm-type, and the layer runs what it names
+    assert args.cp_comm_type == [comm_type]
+    assert COMM_TYPE_ALGO[comm_type] == algo
 
 
 def test_hybrid_degree_becomes_megatrons_hierarchical_groups_with_a_notice():

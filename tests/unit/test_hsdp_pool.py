@@ -6,7 +6,7 @@ transfer is done."""
 import pytest
 import torch
 
-from hyper_adaptor.parallel.hsdp import HostBufferPool, _bucket
+from hyper_adaptor.parallel.hsdp import HostBufferPool, _collectives
 from tests.unit.ops._world import open_world_of_one
 
 CPU = torch.device("cpu")
@@ -72,8 +72,8 @@ def test_gloo_exchanges_in_a_world_of_one_copy_through_without_pooled_buffers(wo
     pool = HostBufferPool()
     send = torch.arange(6, dtype=torch.float32)
     gathered, reduced = torch.empty(6), torch.empty(6)
-    for work in (_bucket.all_gather(gathered, send, None, async_op, as_all_to_all=True),
-                 _bucket.reduce_scatter(reduced, send, None, async_op, pool, as_all_to_all=True)):
+    for work in (_collectives.all_gather(gathered, send, None, async_op, as_all_to_all=True),
+                 _collectives.reduce_scatter(reduced, send, None, async_op, pool, as_all_to_all=True)):
         if async_op:
             work.wait()
     assert torch.equal(gathered, send) and torch.equal(reduced, send)

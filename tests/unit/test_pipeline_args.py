@@ -59,8 +59,8 @@ def test_combinations_that_cannot_work_are_errors_naming_the_flags():
              overlap_grad_reduce=True)
     _refused(r"--pipeline-schedule zbv cannot be combined with --use-hsdp", pipeline_schedule="zbv",
              virtual_pipeline_model_parallel_size=2, use_hsdp=True)
-    _refused(r"--pipeline-schedule 1f1b cannot be combined with --variable-seq-lengths", pipeline_schedule="1f1b",
-             variable_seq_lengths=True)
+    _refused(r"--pipeline-schedule 1f1b cannot be combined with --use-megatron-fsdp", pipeline_schedule="1f1b",
+             use_megatron_fsdp=True)
 
 
 def test_schedules_without_weight_split_take_megatrons_overlapped_reduction_and_hsdp():

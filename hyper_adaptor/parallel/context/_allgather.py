@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hyper_adaptor.ops.attention import attention, attention_lse_backward, attention_with_lse, merge_attention
+from hyper_adaptor.ops.attention import attention
+from hyper_adaptor.ops.attention_lse import attention_lse_backward, attention_with_lse, merge_attention
 from hyper_adaptor.parallel.context._ulysses import to_natural_order
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hyper_adaptor.ops.attention import attention_lse_backward, attention_with_lse, merge_attention
+from hyper_adaptor.ops.attention_lse import attention_lse_backward, attention_with_lse, merge_attention
 
 __all__ = ["RingStats", "ring_attention"]
 
@@ -182,7 +182,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, 
     """Attention of this rank's queries over the whole sequence of ``group`` -> [s_local, b, np, hn].
 
     q [s_local, b, np, hn], k/v [s_local, b, ng, hn] (np a multiple of ng), sharded as the module doc
-    says; ``backend`` picks the block kernels (``hyper_adaptor.ops.attention``); ``stats`` is added to."""
+    says; ``backend`` picks the block kernels (``hyper_adaptor.ops.attention_lse``); ``stats`` is added to."""
     check_qkv("ring_attention", q, k, v, load_balanced)
     group = dist.group.WORLD if group is None else group
     stats = RingStats() if stats is None else stats

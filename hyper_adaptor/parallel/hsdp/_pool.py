@@ -15,13 +15,16 @@ class HostBufferPool:
 
     The CUDA / NPU caching allocators keep freed blocks reserved for the next allocation; torch's CPU
     allocator hands large blocks back to the operating system, so a buffer the size of the whole
-    model, allocated afresh each step, page-faults all of it in again: measured ~0.1x of a level-1
-    step on the 2-core CI box (bench/hsdp.py). This pool does what a caching allocator does, for
+    model, allocated afresh each step, page-faults all of it in again (docs/features/hsdp.md gives what
+    that costs). This pool does what a caching allocator does, for
     HSDP's own buffers only and only on the CPU: a block given back after its last use is handed out
     again to the next request it fits. At most ``keep`` blocks per dtype stay reserved (``keep=0``:
     none, every buffer is allocated afresh); their bytes are reported by :meth:`reserved_bytes`
     (bench/hsdp.py prints them beside the model state). Only buffers whose every view is dead at
-    ``give`` time come here (never the reduced output, which gradient shards are views of)."""
+    ``give`` time come here (never the reduced output, which gradient shards are views of).
+
+    Activation swapping keeps its host buffers in :class:`hyper_adaptor.memory.SwapBufferPool`
+    instead: pinned, owned until cleared and reused at their exact size, not a bounded cache of views."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep

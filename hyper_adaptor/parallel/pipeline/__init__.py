@@ -9,6 +9,8 @@
 Only :mod:`.actions` (plain data, no torch) loads with the package; every other name is imported on first
 use, so ``import hyper_adaptor.megatron_adaptor`` (whose patches name action types) stays light.
 ``validate_schedule`` is :func:`.validate.validate` (the bare name ``validate`` is the submodule).
+``SCHEDULES`` names the schedules :func:`build` knows; ``SPLIT_WEIGHT_SCHEDULES`` those that split each
+backward into input and weight gradients, ``CHUNKED_SCHEDULES`` those that run several chunks per rank.
 """
 
 import importlib
@@ -20,7 +22,8 @@ _LAZY = {
     "ScheduleInterleaved1F1B": "api", "ScheduleZBH1": "api", "ScheduleZBV": "api", "schedule_from_actions": "api",
     "PipelineStage": "stage",
     "execute": "runtime", "PipelineRuntimeError": "runtime",
-    "build": "schedules",
+    "build": "schedules", "SCHEDULES": "schedules", "SPLIT_WEIGHT_SCHEDULES": "schedules",
+    "CHUNKED_SCHEDULES": "schedules",
     "render": "timeline",
     "ScheduleError": "validate", "validate_schedule": ("validate", "validate"),
     "WeightGradQueue": "wgrad", "defer_weight_grads": "wgrad",

@@ -16,6 +16,10 @@ from .timeline import blocking_times, compute_times, dependencies, output_key
 from .validate import ScheduleError, check_comm, validate
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+# the zero-bubble ones: each backward split into an input-gradient and a weight-gradient step
+SPLIT_WEIGHT_SCHEDULES = ("zbh1", "zbv")
+# the ones that run several model chunks (stages) per rank
+CHUNKED_SCHEDULES = ("interleaved", "zbv")
 
 
 def _f(m, s):
@@ -371,9 +375,10 @@ def build(name: str, ranks: int, micro: int, chunks: int | None = None, *, forwa
         compute = zbv(ranks, micro)
     lists = with_communication(compute, layout)
     validate(lists, layout, micro, forward_only=forward_only,
-             split_weight=None if forward_only else name in ("zbh1", "zbv"))
+             split_weight=None if forward_only else name in SPLIT_WEIGHT_SCHEDULES)
     return layout, lists
 
 
-__all__ = ["SCHEDULES", "gpipe", "one_f_one_b", "interleaved", "zbh1", "zbv", "forward_only",
+__all__ = ["SCHEDULES", "SPLIT_WEIGHT_SCHEDULES", "CHUNKED_SCHEDULES", "gpipe", "one_f_one_b", "interleaved",
+           "zbh1", "zbv", "forward_only",
            "with_communication", "build"]

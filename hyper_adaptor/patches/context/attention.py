@@ -22,12 +22,22 @@ import functools
 import inspect
 
 from hyper_adaptor.patch_manager import Patch
-from hyper_adaptor.patches.fused.attention import effective_scale
+from hyper_adaptor.patches.fused.attention import effective_scale, unsupported_call
 
 FEATURE = "context_parallel"
 CLASS = "megatron.core.transformer.dot_product_attention.DotProductAttention"
-COMM_TYPE_ALGO = {"p2p": "ring", "a2a": "ulysses", "allgather": "allgather", "all_gather": "allgather",
-                  "a2a+p2p": "hybrid", None: "ring"}
+# The context-parallel algorithms and their names: megatron's --cp-comm-type value (TransformerEngine's
+# names; megatron hands it to each layer's core attention) and MindSpeed's --context-parallel-algo name.
+ALGORITHMS = {
+    "ring": {"comm_type": "p2p", "mindspeed": "megatron_cp_algo"},
+    "ulysses": {"comm_type": "a2a", "mindspeed": "ulysses_cp_algo"},
+    "hybrid": {"comm_type": "a2a+p2p", "mindspeed": "hybrid_cp_algo"},
+    "allgather": {"comm_type": "allgather", "mindspeed": None},
+}
+DEFAULT_ALGORITHM = "ring"  # megatron's default --cp-comm-type (p2p), and a layer handed none
+# --cp-comm-type value -> algorithm; "all_gather" is TransformerEngine's spelling of allgather
+COMM_TYPE_ALGO = {**{a["comm_type"]: name for name, a in ALGORITHMS.items()}, "all_gather": "allgather",
+                  None: DEFAULT_ALGORITHM}
 
 
 class ContextParallelUnsupported(RuntimeError):
@@ -79,24 +89,6 @@ def _groups(module):
     return groups
 
 
-def _unsupported(module, mask_type, attention_bias, packed_seq_params) -> str | None:
-    from megatron.core.transformer.enums import AttnMaskType
-
-    if packed_seq_params is not None:
-        return "packed sequences (THD)"
-    if attention_bias is not None:
-        return "an attention bias"
-    if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
-        return f"mask type {mask_type.name} (causal and unmasked attention are served)"
-    if module.training and module.attention_dropout.p > 0.0:
-        return f"attention dropout {module.attention_dropout.p}"
-    if getattr(module.scale_mask_softmax, "window_size", None) is not None:
-        return "sliding-window attention"
-    if getattr(module, "softmax_offset", None) is not None:
-        return f"softmax_type {module.config.softmax_type!r}"
-    return None
-
-
 def _wrap_forward(original):
     @functools.wraps(original)
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
@@ -109,7 +101,10 @@ def _wrap_forward(original):
         from hyper_adaptor.parallel.context import context_parallel_attention
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        reason = _unsupported(self, mask_type, attention_bias, packed_seq_params)
+        reason = unsupported_call(self, mask_type, attention_bias, packed_seq_params,
+                                  (AttnMaskType.causal, AttnMaskType.no_mask))
+        if reason is None and self.training and self.attention_dropout.p > 0.0:
+            reason = f"attention dropout {self.attention_dropout.p}"
         if reason is not None:
             raise ContextParallelUnsupported(
                 f"--context-parallel-size {self.config.context_parallel_size} ({self.hyper_cp_algo}): "

@@ -28,22 +28,20 @@ def effective_scale(module) -> float:
     return module.softmax_scale * (coeff if coeff is not None else 1.0)
 
 
-def _unsupported(module, attention_bias, packed_seq_params, mask_type) -> str | None:
-    from megatron.core.transformer.enums import AttnMaskType
-
+def unsupported_call(module, mask_type, attention_bias, packed_seq_params, served_masks) -> str | None:
+    """Why a ``DotProductAttention.forward`` call is outside what hyper_adaptor's attention computes
+    (level 1's flash attention and level 2's context parallel alike), or None. ``served_masks``: the
+    ``AttnMaskType`` values the caller serves."""
     if packed_seq_params is not None:
-        return "packed sequences"
+        return "packed sequences (THD)"
     if attention_bias is not None:
-        return "attention bias"
-    if module.config.context_parallel_size != 1:
-        return "context parallelism"
+        return "an attention bias"
     if getattr(module.scale_mask_softmax, "window_size", None) is not None:
         return "sliding-window attention"
     if getattr(module, "softmax_offset", None) is not None:
         return f"softmax_type {module.config.softmax_type!r}"
-    if mask_type not in (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.arbitrary,
-                         AttnMaskType.no_mask):
-        return f"mask type {mask_type}"
+    if mask_type not in served_masks:
+        return f"mask type {mask_type.name} (served: {', '.join(m.name for m in served_masks)})"
     return None
 
 
@@ -55,7 +53,9 @@ def _wrap_forward(original):
         from megatron.core.transformer.enums import AttnMaskType
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        reason = _unsupported(self, attention_bias, packed_seq_params, mask_type)
+        served = (AttnMaskType.causal, AttnMaskType.padding, AttnMaskType.arbitrary, AttnMaskType.no_mask)
+        reason = "context parallelism" if self.config.context_parallel_size != 1 else \
+            unsupported_call(self, mask_type, attention_bias, packed_seq_params, served)
         if reason is not None:
             notice(FEATURE, "hyper_adaptor", reason, "megatron's DotProductAttention")
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,

@@ -19,38 +19,23 @@ Schedules whose micro-batch count the engine cannot serve raise an error naming 
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import torch
 
-from hyper_adaptor.parallel.pipeline.actions import MetaStepType
-from hyper_adaptor.parallel.pipeline.runtime import execute
+from hyper_adaptor.parallel.pipeline import SCHEDULES, MetaStepType, build, execute
 from hyper_adaptor.patch_manager import Patch
 from hyper_adaptor.patches.pipeline import wgrad
 
 FEATURE = "pipeline"
 TARGET = "megatron.core.pipeline_parallel.schedules.get_forward_backward_func"
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zbh1", "zbv")
-SPLIT_SCHEDULES = ("zbh1", "zbv")
-CHUNKED_SCHEDULES = ("interleaved", "zbv")
 T = MetaStepType
-CALLS: collections.Counter = collections.Counter()  # schedule name -> forward-backward calls served
-# the schedule the wrapped get_forward_backward_func hands out (None: megatron's own); set by patches(),
-# changed by select() where one process runs several schedules (tests, bench/pipeline.py)
-_SELECTED: dict = {"name": None}
-
-
-def select(name: str | None) -> None:
-    if name is not None and name not in SCHEDULES:
-        raise ValueError(f"--pipeline-schedule: unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
-    _SELECTED["name"] = name
 
 
 @functools.lru_cache(maxsize=64)
-def _lists(name: str, ranks: int, micro: int, chunks: int, forward_only: bool):
-    from hyper_adaptor.parallel.pipeline.schedules import build
-
+def action_lists(name: str, ranks: int, micro: int, chunks: int, forward_only: bool):
+    """The engine's validated (layout, per-rank lists) of ``name`` for megatron's run shape, errors
+    phrased in megatron's flags; cached because every training step asks for the same ones."""
     try:
         return build(name, ranks, micro, chunks, forward_only=forward_only)
     except ValueError as err:
@@ -180,11 +165,10 @@ class _Run:
 def forward_backward(name: str, **kwargs):
     """Megatron's forward-backward contract over the engine's ``name`` schedule."""
     run = _Run(name, kwargs)
-    CALLS[name] += 1
     config = run.config
     ranks = run.pp_group.size()
     me = run.pp_group.rank()
-    layout, lists = _lists(name, ranks, run.num_microbatches, run.chunks, run.forward_only)
+    layout, lists = action_lists(name, ranks, run.num_microbatches, run.chunks, run.forward_only)
     actions = lists[me]
     stages = layout.stages_of(me)
     last_stage = layout.num_stages - 1
@@ -257,12 +241,11 @@ def _global_rank(group, rank: int) -> int:
     return torch.distributed.get_global_rank(group, rank)
 
 
-def _wrap_get(original):
+def _wrap_get(name: str, original):
+    """megatron's ``get_forward_backward_func`` handing out the engine's ``name`` schedule (bound here,
+    so that undoing the patch leaves nothing selected)."""
     def get_forward_backward_func(*args, **kwargs):
         chosen = original(*args, **kwargs)
-        name = _SELECTED["name"]
-        if name is None:
-            return chosen
         if chosen.__name__ == "forward_backward_no_pipelining":
             return chosen  # one pipeline rank: nothing to schedule
         if kwargs.get("schedule_pg_collection") is not None:
@@ -273,10 +256,14 @@ def _wrap_get(original):
 
 
 def patches(name: str) -> list[Patch]:
+    """The patches that run schedule ``name``; a process that runs several schedules registers each
+    one's patches in a PatchManager of its own and applies one at a time."""
     from hyper_adaptor.patches.pipeline import vlayout
 
-    select(name)
-    return [Patch(TARGET, _wrap_get, "wrap", FEATURE), *wgrad.patches(), *(vlayout.patches() if name == "zbv" else [])]
+    if name not in SCHEDULES:
+        raise ValueError(f"--pipeline-schedule: unknown schedule {name!r}; choose from {', '.join(SCHEDULES)}")
+    return [Patch(TARGET, functools.partial(_wrap_get, name), "wrap", FEATURE), *wgrad.patches(),
+            *(vlayout.patches() if name == "zbv" else [])]
 
 
-__all__ = ["forward_backward", "patches", "select", "MegatronStage", "SCHEDULES", "SPLIT_SCHEDULES", "CHUNKED_SCHEDULES"]
+__all__ = ["action_lists", "forward_backward", "patches", "MegatronStage"]

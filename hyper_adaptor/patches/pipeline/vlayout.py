@@ -17,11 +17,20 @@ coordinates of the same model stage and asks megatron's own code:
   bottom of the V hands on half-precision activations like every other stage.
 "Last pipeline rank" questions (``ignore_virtual=True``) keep their answer: the schedule hands the losses to
 the last rank, where megatron.training reduces and logs them.
+
+One batch seam follows from that: Megatron-LM's ``pretrain_gpt.py`` asks which fields a chunk needs by
+``is_first_or_last_pipeline_stage(vp_stage)`` (right under the V), then hands
+``megatron.core.utils.get_batch_on_this_tp_rank`` the rank's ``is_pipeline_first_stage()`` /
+``is_pipeline_last_stage()``, and the helper keeps tokens only on a first rank, labels and loss mask
+only on a last one. Rank 0 of the V holds both ends of the model, so it is given what a one-stage
+pipeline gets (every field); the other ranks' chunks are middle stages, which the script hands no
+batch. The script binds the helper by name at import, so the wrap is rebound in ``__main__`` too.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 from hyper_adaptor.patch_manager import Patch
 
@@ -108,6 +117,29 @@ def _wrap_float16_forward(original):
     return forward
 
 
+def _holds_both_ends() -> bool:
+    from megatron.core import parallel_state
+
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() != 2:
+        return False
+    rank, _size = _pp()
+    return rank == 0
+
+
+def _wrap_tp_batch(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        if bound.arguments.get("pipeline_model_parallel_size", 1) > 1 and _holds_both_ends():
+            # every TP rank of the group is pipeline rank 0, so all of them take the same branch
+            bound.arguments["pipeline_model_parallel_size"] = 1
+        return original(*bound.args, **bound.kwargs)
+
+    return get_batch_on_this_tp_rank
+
+
 def patches() -> list[Patch]:
     return [
         Patch("megatron.core.transformer.transformer_layer.get_transformer_layer_offset", _wrap_offset, "wrap",
@@ -117,6 +149,8 @@ def patches() -> list[Patch]:
         Patch("megatron.training.models.dist_utils.build_virtual_pipeline_stages", _wrap_build_stages, "wrap",
               FEATURE),
         Patch("megatron.core.transformer.module.Float16Module.forward", _wrap_float16_forward, "wrap", FEATURE),
+        Patch("megatron.core.utils.get_batch_on_this_tp_rank", _wrap_tp_batch, "wrap", FEATURE,
+              rebind_in=("megatron", "__main__")),
     ]
 
 

@@ -1,4 +1,5 @@
-"""attention_with_lse / attention_lse_backward (the blocks of ring attention) and merge_attention.
+"""hyper_adaptor.ops.attention_lse: the blocks of ring attention (attention_with_lse, attention_lse_backward)
+and merge_attention.
 
 Every backend available here (eager, fast = PyTorch's CPU flash kernel) against autograd of the existing
 ``attention()`` run in float64 on the same inputs, and the lse against logsumexp of float64 scores.
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from hyper_adaptor.ops import attention as attn
+from hyper_adaptor.ops import attention_lse as lse_op
 from hyper_adaptor.ops import backend as ops_backend
 
 BACKENDS = ["eager", "fast"]
@@ -68,10 +70,10 @@ def test_matches_attention_autograd(backend, case, dtype):
     q, k, v, dout = _inputs(*shape, dtype)
     scale = 0.3
     want = _reference(q, k, v, dout, causal, scale)
-    before = dict(attn.attention_lse_op.calls)
-    out, lse = attn.attention_with_lse(q, k, v, causal=causal, scale=scale, backend=backend)
-    grads = attn.attention_lse_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
-    assert attn.attention_lse_op.calls[backend] == before[backend] + 1  # served by the backend asked for
+    before = dict(lse_op.attention_lse_op.calls)
+    out, lse = lse_op.attention_with_lse(q, k, v, causal=causal, scale=scale, backend=backend)
+    grads = lse_op.attention_lse_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    assert lse_op.attention_lse_op.calls[backend] == before[backend] + 1  # served by the backend asked for
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (shape[2], shape[3], shape[0])
     assert [g.dtype for g in grads] == [dtype] * 3
     _close(out, want[0], TOL[dtype], "out")
@@ -89,13 +91,13 @@ def test_two_key_parts_merge_to_the_whole(backend, dtype):
     c, b, np_, ng, hn = 5, 2, 4, 2, 24
     q, k, v, dout = _inputs(c, 2 * c, b, np_, ng, hn, dtype, seed=3)
     earlier, own = slice(0, c), slice(c, 2 * c)
-    out1, lse1 = attn.attention_with_lse(q, k[earlier], v[earlier], causal=False, backend=backend)
-    out2, lse2 = attn.attention_with_lse(q, k[own], v[own], causal=True, backend=backend)
-    out, lse = attn.merge_attention(out1, lse1, out2, lse2)
+    out1, lse1 = lse_op.attention_with_lse(q, k[earlier], v[earlier], causal=False, backend=backend)
+    out2, lse2 = lse_op.attention_with_lse(q, k[own], v[own], causal=True, backend=backend)
+    out, lse = lse_op.merge_attention(out1, lse1, out2, lse2)
     assert out.dtype == lse.dtype == torch.float32
     out = out.to(dtype)
-    g1 = attn.attention_lse_backward(dout, q, k[earlier], v[earlier], out, lse, causal=False, backend=backend)
-    g2 = attn.attention_lse_backward(dout, q, k[own], v[own], out, lse, causal=True, backend=backend)
+    g1 = lse_op.attention_lse_backward(dout, q, k[earlier], v[earlier], out, lse, causal=False, backend=backend)
+    g2 = lse_op.attention_lse_backward(dout, q, k[own], v[own], out, lse, causal=True, backend=backend)
     dq = g1[0].float() + g2[0].float()
     dk, dv = torch.cat([g1[1], g2[1]]), torch.cat([g1[2], g2[2]])
 
@@ -112,7 +114,7 @@ def test_merge_is_stable_for_large_lse():
     out1, out2 = torch.ones(3, 1, 2, 4), torch.full((3, 1, 2, 4), 3.0)
     log3, log4 = torch.log(torch.tensor(3.0)).item(), torch.log(torch.tensor(4.0)).item()
     lse1, lse2 = torch.full((1, 2, 3), 200.0), torch.full((1, 2, 3), 200.0 + log3)
-    out, lse = attn.merge_attention(out1, lse1, out2, lse2)
+    out, lse = lse_op.merge_attention(out1, lse1, out2, lse2)
     torch.testing.assert_close(out, torch.full_like(out1, 2.5), rtol=1e-4, atol=1e-4)  # weights 1/4, 3/4
     torch.testing.assert_close(lse, torch.full_like(lse1, 200.0 + log4), rtol=1e-6, atol=1e-4)
 
@@ -120,19 +122,19 @@ def test_merge_is_stable_for_large_lse():
 def test_causal_block_must_be_diagonal():
     q, k, v, dout = _inputs(4, 6, 1, 2, 2, 8, torch.float32)
     with pytest.raises(ValueError, match="diagonal blocks"):
-        attn.attention_with_lse(q, k, v, causal=True)
-    out, lse = attn.attention_with_lse(q, k, v, causal=False)
+        lse_op.attention_with_lse(q, k, v, causal=True)
+    out, lse = lse_op.attention_with_lse(q, k, v, causal=False)
     with pytest.raises(ValueError, match="diagonal blocks"):
-        attn.attention_lse_backward(dout, q, k, v, out, lse, causal=True)
+        lse_op.attention_lse_backward(dout, q, k, v, out, lse, causal=True)
     with pytest.raises(ValueError, match="lse"):
-        attn.attention_lse_backward(dout, q, k, v, out, lse.transpose(1, 2), causal=False)
+        lse_op.attention_lse_backward(dout, q, k, v, out, lse.transpose(1, 2), causal=False)
 
 
 def test_npu_request_falls_back_with_one_notice(capsys):
     ops_backend._noticed.difference_update({k for k in ops_backend._noticed if k[0] == "attention_with_lse"})
     q, k, v, _ = _inputs(8, 8, 1, 4, 2, 16, torch.bfloat16)
-    before = attn.attention_lse_op.calls["fast"]
+    before = lse_op.attention_lse_op.calls["fast"]
     for _ in range(2):
-        attn.attention_with_lse(q, k, v, causal=True, backend="npu")
-    assert attn.attention_lse_op.calls["fast"] == before + 2
+        lse_op.attention_with_lse(q, k, v, causal=True, backend="npu")
+    assert lse_op.attention_lse_op.calls["fast"] == before + 2
     assert capsys.readouterr().out.count("attention_with_lse: the npu backend cannot serve") == 1

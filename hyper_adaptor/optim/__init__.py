@@ -1,1 +1,0 @@
-"""Engines for this area land here (see DESIGN.md §3); nothing in them imports megatron."""
