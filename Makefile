@@ -13,8 +13,9 @@ MCORE_RELEASES ?= 0.19.0 0.19.1 0.19.2
 PY          := $(VENV)/bin/python
 STAMP       := $(VENV)/.hyper_adaptor-installed
 PYTEST_ARGS ?=
+RUFF_SPEC   ?= ruff==0.17.6
 
-.PHONY: setup demo test test-fast bench clean-venv
+.PHONY: setup demo lint test test-fast bench clean-venv
 
 setup: $(STAMP)
 
@@ -23,7 +24,7 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet numpy
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout
+	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout "$(RUFF_SPEC)"
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -e .
 	# the other megatron-core releases the patches are checked against, unpacked by the tests as
@@ -37,12 +38,16 @@ $(STAMP): setup.py Makefile
 demo: $(STAMP)
 	PYTHON=$(abspath $(PY)) bash examples/run_demo.sh
 
-# The whole suite (unit, distributed parity, end to end).
-test: $(STAMP)
+# The linter (ruff.toml): a finding fails `make test` before any test runs.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# The whole suite (unit, distributed parity, end to end), after the linter.
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Without the end-to-end torchrun runs.
-test-fast: $(STAMP)
+test-fast: lint
 	$(PY) -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 bench: $(STAMP)
