@@ -144,19 +144,7 @@ def _line_enabling(name: str, tmp_path) -> str:
     return next(line for line in COMMAND_LINES if name in _enabled(line, tmp_path))
 
 
-def _pipeline_keeps_a_selection() -> bool:
-    from hyper_adaptor.patches.pipeline import schedules
-
-    return hasattr(schedules, "_SELECTED")
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(f.name, marks=pytest.mark.xfail(
-        _pipeline_keeps_a_selection(), strict=True,
-        reason="patches/pipeline/schedules.py keeps the chosen schedule in the module global _SELECTED; the "
-               "branch that tidies the pipeline schedules binds it into the replacement instead"))
-    if f.name == "pipeline" else f.name
-    for f in FEATURES])
+@pytest.mark.parametrize("name", [f.name for f in FEATURES])
 def test_patches_is_pure(name, tmp_path):
     feature = features.get(name)
     args, _ = _adjusted(_line_enabling(name, tmp_path), tmp_path)

@@ -2,7 +2,7 @@
 module, the ones inside functions too, must point down or sideways, never up.
 
     entry points (megatron_adaptor, cli, __main__, the package itself, testing)
-      -> features -> patches (with patch_manager, megatron_version) -> engines (parallel, memory, ops, optim)
+      -> features -> patches (with patch_manager, megatron_version) -> engines (parallel, memory, ops)
       -> notice -> platform
 
 and a module whose name starts with ``_`` is private to its package: only modules of that package import it.
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hyper_adaptor"
-ENGINES = ("parallel", "memory", "ops", "optim")
+ENGINES = ("parallel", "memory", "ops")
 # rank of each layer: a module may import modules of its own rank or lower (platform: only platform)
 RANKS = {"platform": 0, "notice": 1, "engines": 2, "patches": 3, "features": 4, "entry": 5}
 
@@ -151,13 +151,6 @@ def test_private_modules_are_imported_only_inside_their_package():
     assert _violations(private, "hyper_adaptor", "bench") == []
 
 
-def _schedules_lists_still_private() -> bool:
-    return "def _lists(" in (PACKAGE / "patches" / "pipeline" / "schedules.py").read_text()
-
-
-@pytest.mark.xfail(_schedules_lists_still_private(), strict=True,
-                   reason="features/pipeline.py imports the private _lists of patches/pipeline/schedules.py; "
-                          "the branch that tidies the pipeline schedules renames it to a public name")
 def test_private_names_are_not_imported_from_another_package():
     assert [v for path in _sources("hyper_adaptor", "bench") for v in private_names(path)] == []
 
