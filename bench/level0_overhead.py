@@ -142,7 +142,7 @@ def _runs(config: Config, steps: int = 3) -> str | None:
                     return (f"each step queues {grown} torch.cuda calls that a CPU build never runs "
                             "(via torch.cuda._lazy_call; unbounded memory growth)")
         return None
-    except Exception as exc:  # noqa: BLE001  (any failure means "does not run")
+    except Exception as exc:
         frames = traceback.extract_tb(exc.__traceback__)
         where = next((f for f in reversed(frames) if "megatron" in f.filename), frames[-1] if frames else None)
         at = f" (at {Path(where.filename).name}:{where.lineno})" if where else ""
@@ -250,7 +250,7 @@ def measure(steps: int, rounds: int, warmup: int) -> dict:
     per_round = []
     try:
         for _ in range(warmup):
-            for name, config in configs.items():
+            for config in configs.values():
                 _timed_segment(config, model, optimizer, batches, 1)
         for r in range(rounds):
             order = ["minimum", "level0"] if r % 2 == 0 else ["level0", "minimum"]

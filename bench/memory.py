@@ -341,7 +341,8 @@ def table(result: dict) -> str:
              f"seq {c['seq']}, batch {c['batch']}, {c.get('dtype', 'fp32')}; median of {c['rounds']} interleaved rounds"
              + ("" if result["copies_overlap_compute"] else "; cpu: copies are synchronous (no overlap)"),
              "",
-             f"{'configuration':22s} {'device act MiB':>14s} {'/ none':>7s} {'fwd end MiB':>12s} {'accounting MiB':>15s} "
+             f"{'configuration':22s} {'device act MiB':>14s} {'/ none':>7s} {'fwd end MiB':>12s} "
+             f"{'accounting MiB':>15s} "
              f"{'moved MiB':>10s} {'step s':>8s} {'time / none':>11s} {'grad diff':>10s}"]
     for r in result["activations"]:
         lines.append(f"{r['config']:22s} {mib(r['device_activation_bytes']):>14s} {r['ratio_to_none']:7.3f} "

@@ -179,7 +179,8 @@ def cases(scale: int, dtype: torch.dtype, backend: str | None):
         return hidden_states, counts, probs
 
     out.append(Case("moe experts (grouped GEMM)",
-                    f"[{moe['tokens']} tok x top-{moe['topk']}, h={moe['hidden']}, ffn={moe['ffn']}, E={moe['experts']}]",
+                    f"[{moe['tokens']} tok x top-{moe['topk']}, h={moe['hidden']}, ffn={moe['ffn']}, "
+                    f"E={moe['experts']}]",
                     make_experts, {
         "fused": lambda h, c, p: _on_backend(backend, grouped_forward, experts_module, h, c, p)[0],
         "eager": lambda h, c, p: _on_backend("eager", grouped_forward, experts_module, h, c, p)[0],
@@ -215,13 +216,14 @@ def _megatron_experts(moe: dict, dtype):
     """megatron-core's SequentialMLP (local spec, SwiGLU with megatron's fused weighted SwiGLU), and
     its forward as the ``--moe-grouped-gemm`` patch runs it (without patching the class)."""
     import torch.nn.functional as F
+
+    from hyper_adaptor.patches.fused import grouped_gemm as grouped_patch
+
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
-
-    from hyper_adaptor.patches.fused import grouped_gemm as grouped_patch
 
     _world_of_one()
     config = TransformerConfig(num_layers=1, hidden_size=moe["hidden"], num_attention_heads=4,
@@ -243,6 +245,7 @@ _ATTN = {}
 def _world_of_one() -> None:
     """A gloo group of one and megatron's model-parallel state, for megatron's own modules."""
     import torch.distributed as dist
+
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -292,10 +295,12 @@ def run(args) -> dict:
         rows.append({"op": case.name, "shape": case.shape_note, "median_ms": med, "saved_bytes": mem,
                      "speedup_vs_eager": med["eager"] / med["fused"],
                      "speedup_vs_megatron": med["megatron"] / med["fused"]})
-        print(f"  {case.name}: fused {med['fused']:.2f} ms, eager {med['eager']:.2f} ms, megatron {med['megatron']:.2f} ms",
+        print(f"  {case.name}: fused {med['fused']:.2f} ms, eager {med['eager']:.2f} ms, "
+              f"megatron {med['megatron']:.2f} ms",
               flush=True)
     return {"benchmark": "ops", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": ha_platform.device_type(), "device_name": device_name(), "dtype": args.dtype, "backend": args.backend or "platform default",
+            "device": ha_platform.device_type(), "device_name": device_name(), "dtype": args.dtype,
+            "backend": args.backend or "platform default",
             "shapes": shapes, "scale_note": (f"real model dims divided by {args.scale} (head dim kept at 128; MoE: "
                            f"{shapes['moe']['model']}'s hidden, expert ffn, experts, top-k and tokens)"),
             "machine": machine(),
@@ -310,7 +315,8 @@ def attention_memory_sweep(heads: int, head_dim: int, dtype: torch.dtype, backen
     rows = []
     for seq in (256, 512, 1024, 2048):
         q, k, v = (_leaf((seq, 1, heads, head_dim), dtype, i) for i in (4, 5, 6))
-        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ha_platform.current_device()), diagonal=1)[None, None]
+        mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=ha_platform.current_device()),
+                          diagonal=1)[None, None]
         fused = saved_bytes(lambda: att.attention(q, k, v, causal=True, scale=head_dim ** -0.5, backend=backend))
         eager = saved_bytes(lambda: att.attention(q, k, v, causal=True, mask=mask, scale=head_dim ** -0.5,
                                                   backend="eager"))
@@ -332,7 +338,8 @@ def _one(fn, inputs, no_grad) -> float:
 
 
 def table(result: dict) -> str:
-    head = ("op", "shape", "fused ms", "eager ms", "megatron ms", "x eager", "x megatron", "saved MiB fused/eager/megatron")
+    head = ("op", "shape", "fused ms", "eager ms", "megatron ms", "x eager", "x megatron",
+            "saved MiB fused/eager/megatron")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in result["rows"]:
         m, s = r["median_ms"], r["saved_bytes"]

@@ -21,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # python bench/pipeline.py
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hyper_adaptor.parallel.pipeline.schedules import SCHEDULES  # noqa: E402
-from hyper_adaptor.testing.measure import (  # noqa: E402
+from hyper_adaptor.parallel.pipeline.schedules import SCHEDULES
+from hyper_adaptor.testing.measure import (
     free_port,
     machine,
     machine_line,

@@ -9,15 +9,16 @@ Launch (see examples/run_demo.sh for the full command):
     torchrun --nproc-per-node 4 examples/pretrain_gpt.py --tensor-model-parallel-size 2 ...
 """
 
-import torch
-import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
-
 from functools import partial
 
+import torch
+
+import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
+
+from megatron.core import parallel_state as mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
-from megatron.core import parallel_state as mpu
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
 from megatron.training import get_args, get_tokenizer, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args

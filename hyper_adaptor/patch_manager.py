@@ -33,9 +33,10 @@ import importlib.machinery
 import logging
 import operator
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any
 
 __all__ = ["Patch", "PatchError", "PatchTargetError", "PatchConflictError", "PatchManager"]
 logger = logging.getLogger("hyper_adaptor.patch")
@@ -164,7 +165,7 @@ def _build(patch: Patch, current: Any) -> Any:
     return patch.replacement(current)
 
 
-def _swap_globals(scope: tuple[str, ...], old_value: Any, new_value: Any, slot: "_Slot") -> list:
+def _swap_globals(scope: tuple[str, ...], old_value: Any, new_value: Any, slot: _Slot) -> list:
     """Point module globals in ``scope`` that hold ``old_value`` at ``new_value``; returns what changed
     as (namespace, name, old, new). The patched attribute itself is left to the caller."""
     if old_value is new_value or isinstance(old_value, _VALUE_TYPES):

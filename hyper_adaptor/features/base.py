@@ -21,7 +21,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from hyper_adaptor.patch_manager import Patch
-from hyper_adaptor.patches.compat.arguments import switch  # noqa: F401  (the one helper for adjust steps)
+from hyper_adaptor.patches.compat.arguments import switch
 
 LEVEL_NAMES = {0: "compatibility", 1: "affinity (fused kernels)", 2: "algorithms"}
 DEFAULT_LEVEL = 2

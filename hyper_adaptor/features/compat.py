@@ -38,8 +38,14 @@ class Compat(Feature):
     def patches(self, args):
         """The level-0 patches applied after megatron is importable (the import shims come first:
         ``import_patches``)."""
-        from hyper_adaptor.patches.compat import (backends, fusion_switches, megatron_core, megatron_training,
-                                                  te_spec, torch_cpu)
+        from hyper_adaptor.patches.compat import (
+            backends,
+            fusion_switches,
+            megatron_core,
+            megatron_training,
+            te_spec,
+            torch_cpu,
+        )
 
         dev = platform.device_type()
         result = torch_cpu.torch_patches() if dev == "cpu" else []

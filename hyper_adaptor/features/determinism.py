@@ -23,8 +23,7 @@ Level 0: determinism is a property of the run, asked at any ``--optimization-lev
 from __future__ import annotations
 
 from hyper_adaptor import platform
-from hyper_adaptor.features.base import (Feature, FeatureConfigError, Flag, asked, hide_from_megatron,
-                                         refuse_combined)
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked, hide_from_megatron, refuse_combined
 from hyper_adaptor.notice import notice
 
 DEST = "deterministic_mode"

@@ -75,10 +75,12 @@ class Pipeline(Feature):
             raise FeatureConfigError(f"{flag} needs model chunks: --num-virtual-stages-per-pipeline-rank "
                                      f"{2 if name == 'zbv' else 'N'} (or --num-layers-per-virtual-pipeline-stage)")
         if name == "zbv" and chunks != 2:
-            raise FeatureConfigError(f"{flag} places two chunks per rank in a V: --num-virtual-stages-per-pipeline-rank "
+            raise FeatureConfigError(f"{flag} places two chunks per rank in a V: "
+                                     f"--num-virtual-stages-per-pipeline-rank "
                                      f"must be 2 (got {chunks})")
         if name not in CHUNKED_SCHEDULES and chunks > 1:
-            raise FeatureConfigError(f"{flag} runs one model chunk per rank; drop --num-virtual-stages-per-pipeline-rank "
+            raise FeatureConfigError(f"{flag} runs one model chunk per rank; drop "
+                                     f"--num-virtual-stages-per-pipeline-rank "
                                      f"/ --num-layers-per-virtual-pipeline-stage or choose interleaved / zbv")
         if name == "zbv":
             if not getattr(args, "untie_embeddings_and_output_weights", True):

@@ -53,9 +53,11 @@ def _writable_dir(path: str) -> str | None:
 class Profiling(Feature):
     name = "profiling"
     level = 0
-    summary = "--profile records steps [start, end) on the chosen ranks: torch_npu.profiler on NPU, torch.profiler elsewhere"
+    summary = ("--profile records steps [start, end) on the chosen ranks: torch_npu.profiler on NPU, "
+               "torch.profiler elsewhere")
     flags = (
-        Flag("--profile", "megatron's flag; served by hyper_adaptor's profiler (megatron's nsys path under nsys on CUDA)",
+        Flag("--profile",
+             "megatron's flag; served by hyper_adaptor's profiler (megatron's nsys path under nsys on CUDA)",
              owner="megatron"),
         Flag("--profile-level", "what the profiler records (MindSpeed): level0 operators and kernels; level1 + "
              "FLOPs, communication detail (NPU: AscendCL, AI Core metrics); level2 + every host thread "
@@ -75,7 +77,8 @@ class Profiling(Feature):
              owner="megatron"),
         Flag("--profile-ranks", "megatron's: global ranks ([] or -1: every rank)", {"nargs": "+", "type": int,
              "default": []}, owner="megatron"),
-        Flag("--use-pytorch-profiler", "megatron's: with --profile, the torch profiler (served here)", owner="megatron"),
+        Flag("--use-pytorch-profiler", "megatron's: with --profile, the torch profiler (served here)",
+             owner="megatron"),
         Flag("--pytorch-profiler-collect-shapes", "megatron's: = --profile-record-shapes", owner="megatron"),
         Flag("--pytorch-profiler-collect-callstack", "megatron's: = --profile-with-stack", owner="megatron"),
     )
@@ -87,7 +90,8 @@ class Profiling(Feature):
         notices = []
         if getattr(args, "profile", False):
             chosen = profiled_ranks(args)
-            ranks = "every rank" if chosen is None else ("rank " if len(chosen) == 1 else "ranks ") + ", ".join(map(str, chosen))
+            ranks = ("every rank" if chosen is None
+                     else ("rank " if len(chosen) == 1 else "ranks ") + ", ".join(map(str, chosen)))
             notices.append(take_from_megatron(
                 args, "profile", False,
                 f"hyper_adaptor's profiler records steps [{args.profile_step_start}, {args.profile_step_end}) on "
@@ -97,7 +101,8 @@ class Profiling(Feature):
                 getattr(args, "profile_save_path", DEFAULT_SAVE_PATH) == DEFAULT_SAVE_PATH:
             # megatron's --use-pytorch-profiler writes beside the TensorBoard logs: keep its place
             notices.append(switch(args, "profile_save_path", os.path.join(tensorboard, "..", "torch_profile"),
-                                  "--use-pytorch-profiler writes where megatron does: --tensorboard-dir/../torch_profile"))
+                                  "--use-pytorch-profiler writes where megatron does: "
+                                  "--tensorboard-dir/../torch_profile"))
         return notices
 
     def validate(self, args) -> None:

@@ -19,8 +19,7 @@ Combinations that cannot work are errors naming the flags.
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import (Feature, FeatureConfigError, Flag, asked, hide_from_megatron,
-                                         take_from_megatron)
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked, hide_from_megatron, take_from_megatron
 from hyper_adaptor.patches.memory.layers import OFFLOAD_MODULES, SWAP_MODULES, MemoryPlan
 
 # the swap-modules that contain others (a module is swapped once)

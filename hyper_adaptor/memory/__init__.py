@@ -12,11 +12,24 @@ Streams, events and host buffers come from ``hyper_adaptor.platform``.
 """
 
 from hyper_adaptor.memory._pool import SwapBufferPool
-from hyper_adaptor.memory.api import (CheckpointPolicy, checkpoint, checkpoint_wrapper, swap, swap_tensor_wrapper,
-                                      swap_wrapper, unwrap)
+from hyper_adaptor.memory.api import (
+                                      CheckpointPolicy,
+                                      checkpoint,
+                                      checkpoint_wrapper,
+                                      swap,
+                                      swap_tensor_wrapper,
+                                      swap_wrapper,
+                                      unwrap,
+)
 from hyper_adaptor.memory.optimizer_offload import OffloadOptimizer
-from hyper_adaptor.memory.swap_manager import (GroupState, SwapError, SwapGroup, SwapManager, default_swap_manager,
-                                               set_default_swap_manager)
+from hyper_adaptor.memory.swap_manager import (
+                                      GroupState,
+                                      SwapError,
+                                      SwapGroup,
+                                      SwapManager,
+                                      default_swap_manager,
+                                      set_default_swap_manager,
+)
 
 __all__ = ["CheckpointPolicy", "GroupState", "OffloadOptimizer", "SwapBufferPool", "SwapError", "SwapGroup",
            "SwapManager", "checkpoint", "checkpoint_wrapper", "default_swap_manager", "set_default_swap_manager",

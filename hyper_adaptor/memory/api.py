@@ -25,8 +25,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hyper_adaptor.memory.swap_manager import (SwapError, SwapGroup, SwapManager, default_swap_manager,
-                                               flatten_tensors)
+from hyper_adaptor.memory.swap_manager import SwapError, SwapGroup, SwapManager, default_swap_manager, flatten_tensors
 
 
 class CheckpointPolicy(enum.Enum):

@@ -1,1 +1,2 @@
-"""Engines for this area land here (see DESIGN.md §3); nothing in them imports megatron."""
+"""Fused kernels, one module per op, each with its backends (npu, fast, eager) chosen by ``backend``;
+plain torch, no megatron import (docs/design.md, docs/features/fused-kernels.md)."""

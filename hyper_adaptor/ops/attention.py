@@ -24,9 +24,10 @@ Backends:
 - fast: ``torch.nn.functional.scaled_dot_product_attention``. A plain causal call with sq == sk passes
   ``is_causal=True`` and no mask tensor, so PyTorch's flash kernel (CPU and CUDA) keeps memory O(s);
   GQA goes through ``enable_gqa=True`` without copying k/v. (With dropout_p > 0 PyTorch may pick
-  its math kernel, which does hold the s x s probabilities; the O(s) claim is for dropout 0.) Other masks go in as SDPA bool masks
-  (True = attend there). A row whose every key is masked gives zeros here (PyTorch's choice), not
-  megatron's uniform weights; real padding rows are ignored by the loss either way.
+  its math kernel, which does hold the s x s probabilities; the O(s) claim is for dropout 0.) Other
+  masks go in as SDPA bool masks (True = attend there). A row whose every key is masked gives zeros
+  here (PyTorch's choice), not megatron's uniform weights; real padding rows are ignored by the loss
+  either way.
 - npu: ``torch_npu.npu_fusion_attention`` with input_layout "SBH" (q/k/v flattened to [s, b, heads*hn],
   GQA native), ``head_num=np``, ``scale``, ``keep_prob=1 - dropout_p`` and ``atten_mask`` with True =
   masked. Causal uses the documented compressed 2048x2048 upper-triangle mask with sparse_mode 2

@@ -24,15 +24,14 @@ gradient ``g_e W_e`` and weight gradient ``g_e^T x_e``.
   torch 2.13 also has ``torch.nn.functional.grouped_mm`` with a CPU kernel (fp32/bf16/fp16, every
   stride a multiple of 16 bytes), but it wants the weights as one [E, K, N] tensor: with Megatron's
   per-expert parameters that is a ``torch.stack`` of every weight in each forward and a split of the
-  gradient in each backward. Measured on this project's shared 2-core CPU VM (torch 2.13, one run,
-  interleaved medians of 11 of a throwaway script; T=2048 tokens, K=512 -> N=512, E=16 groups):
-  forward only, fp32: mm into one buffer 4.83 ms, per-group results + cat 5.37 ms, grouped_mm on
-  pre-stacked weights 4.87 ms, grouped_mm with the stack 6.66 ms; bf16: 1.70 / 1.96 / 1.67 / 2.42 ms.
-  Forward + backward with per-expert weights, fp32: eager 19.4 ms, fast 18.7 ms; bf16 8.36 / 8.04 ms
-  (the op is GEMM-bound: the gain is the copies saved; the whole expert layer gains more, see
-  bench/ops.py). So fast uses the loop for per-expert weights and ``grouped_mm`` only when the
+  gradient in each backward. Measured on CPU (figures in docs/features/fused-kernels.md, "Backend
+  choices"), in fp32 and bf16: forward only, ``mm`` into one buffer beats per-group results + ``cat``
+  and matches ``grouped_mm`` on pre-stacked weights, while stacking the weights in each call makes
+  ``grouped_mm`` the slowest of the four; forward + backward with per-expert weights, fast is a little
+  faster than eager (the op is GEMM-bound: the gain is the copies saved; the whole expert layer gains
+  more, see bench/ops.py). So fast uses the loop for per-expert weights and ``grouped_mm`` only when the
   caller hands one stacked [E, N, K] tensor with 16-byte-aligned strides (see ``_fast_kernels``),
-  where it measured 19.1 vs 25.6 ms (fp32) and 7.7 vs 9.4 ms (bf16) against eager.
+  where it measured clearly faster than eager in both dtypes.
 - npu: ``torch_npu.npu_grouped_matmul`` (documented signature ``npu_grouped_matmul(x, weight, *,
   bias=None, ..., group_list=None, split_item=0, group_type=-1, group_list_type=0, ...)`` returning
   a list of tensors): one x tensor split along M by ``group_list`` (counts, ``group_list_type=1``,
@@ -44,8 +43,8 @@ gradient ``g_e W_e`` and weight gradient ``g_e^T x_e``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F

@@ -11,22 +11,19 @@ Backends:
 - eager: the reference, ``((x.float() * rsqrt(mean(x.float()**2) + eps)) * weight.float()).to(x.dtype)``,
   differentiated by autograd;
 - fast: on CUDA tensors ``F.rms_norm`` itself, torch's native fused kernel: exactly what megatron's
-  local spec runs, so the result is megatron's bit for bit. On an NVIDIA H100 (torch 2.11 cu130),
-  ``bench/ops.py --scale 1`` (forward + backward, median) measured, before this change, x
-  [4096, 1, 4096] bf16: the compiled reference 0.555 ms, eager 1.05 ms, megatron (``F.rms_norm``)
-  0.237 ms; fp32 [1024, 1, 1024]: compiled 0.87 ms, ``F.rms_norm`` 0.32 ms. The CUDA branch was
-  written after that measurement and has NOT run on a GPU yet; ``tests/gpu/test_cuda_fast_ops.py``
-  checks it (bitwise against ``torch.nn.RMSNorm``, forward and backward) on the next GPU session.
+  local spec runs, so the result is megatron's bit for bit. On an NVIDIA H100, ``bench/ops.py``
+  measured, before this change, ``F.rms_norm`` clearly faster than the compiled reference (bf16 at
+  scale 1, fp32 at scale 4; docs/features/fused-kernels.md, "On a GPU"). The CUDA branch was
+  written after that measurement; ``tests/gpu/test_cuda_fast_ops.py`` checks it (bitwise against
+  ``torch.nn.RMSNorm``, forward and backward) and passed on an H200 (docs/gpu.md).
 
   On every other device (CPU), ``torch.compile`` of that reference on a 2-D ``[tokens, hidden]`` view
-  (so only two sizes can change between calls). Measured on this project's shared 2-core CPU box,
-  torch 2.13, x [2048, 1024], forward + backward, median of 7 (the box is shared, so the spread
-  between runs is large):
-  fp32: eager 16.7-25.0 ms, F.rms_norm 15.3-21.1 ms, compiled 5.7-6.6 ms;
-  bf16: eager 22.1 ms, F.rms_norm 20.4 ms, compiled 3.4-3.7 ms (one noisy run: 160 / 160 / 40 ms).
-  Compilation costs 1-5 s per new dtype (and once more when the shape first changes), paid once per
-  training run, so the compiled reference is the fast path there. Where compilation is impossible (no
-  C++ compiler, no Triton) the first failure is noticed once and ``F.rms_norm`` serves from then on.
+  (so only two sizes can change between calls). Measured on CPU, forward + backward, fp32 and bf16,
+  the compiled reference is far faster than both eager and ``F.rms_norm`` (figures in
+  docs/features/fused-kernels.md, "Backend choices"). Compilation is paid once per new dtype (and once
+  more when the shape first changes), once per training run, so the compiled reference is the fast
+  path there. Where compilation is impossible (no C++ compiler, no Triton) the first failure is
+  noticed once and ``F.rms_norm`` serves from then on.
 - npu: ``torch_npu.npu_rms_norm(x, gamma, epsilon=eps)``, which returns ``(y, rstd)``; it needs the
   weight in the input's dtype.
 """

@@ -28,15 +28,14 @@ Backends:
   formula), as does every pairing if compiling fails (noticed once).
   cos and sin are computed once per angles tensor and reused while it is unchanged (megatron hands
   the same angles to every layer's q and k; see ``_cached_cos_sin``).
-  Measured on this project's shared 2-core CPU VM, torch 2.13, t [1024, 1, 8, 128] (bench/ops.py's
-  shape), forward + backward, interleaved medians of 31, one quiet run: fp32: eager 6.08 ms,
-  megatron's ``_apply_rotary_pos_emb_bshd`` 5.08 ms, hand-written 2.98 ms, compiled with cos/sin
-  computed per call 1.83 ms, compiled with the cached cos/sin (what fast runs) 1.67 ms; bf16: 2.69 /
-  2.76 / 1.66 / 0.95 / 0.82 ms. (An earlier note here found torch.compile of the *eager* formula, with
-  its rotate-half copies and concatenation, slower than the hand-written function; compiling the
-  single expression above is what pays.) Compiling costs about 2-5 s per graph (forward, backward;
-  again once when a size first changes, e.g. k after q with grouped-query attention), and the first
-  inductor compile of a process 10-20 s on this VM.
+  Measured on CPU at bench/ops.py's shape, forward + backward, fp32 and bf16: the compiled expression
+  with the cached cos/sin (what fast runs) is the fastest, ahead of the same with cos/sin computed per
+  call, then the hand-written function, then megatron's ``_apply_rotary_pos_emb_bshd`` and the eager
+  reference (figures in docs/features/fused-kernels.md, "Backend choices"). (An earlier note here found
+  torch.compile of the *eager* formula, with its rotate-half copies and concatenation, slower than the
+  hand-written function; compiling the single expression above is what pays.) Compiling is paid once
+  per graph (forward, backward; again once when a size first changes, e.g. k after q with
+  grouped-query attention), and the first inductor compile of a process costs the most.
 - npu: ``torch_npu.npu_rotary_mul(x, cos, sin)``, whose documented semantics are
   ``x * cos + rotate_half(x) * sin`` with the "rotate half" pairing on the last dim of a 4-D tensor.
   It serves the non-interleaved case (MLA regrouping done before the call, partial rotary by slicing);

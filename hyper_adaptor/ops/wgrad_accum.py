@@ -15,24 +15,24 @@ bf16 product is never rounded to bf16 before it is added (as ``main_grad.add_(g.
 Backends (see ``backend.py``):
 
 - ``eager``: upcast, ``main_grad.addmm_`` (or, for a half ``main_grad``, add in fp32 and copy back).
-- ``fast``: on CPU the same formulation, picked by measurement (torch 2.13, 2 shared threads, median
-  of 5, ``[1024 tokens, 1024 in] -> 768 out``; two runs, the first under load from other jobs):
-  fp32 inputs, ``addmm_`` 9.96 / 29.2 ms vs ``mm`` + ``add_`` 11.1 / 27.8 ms (equal within noise;
-  ``addmm_`` allocates no ``[out, in]`` temporary); bf16 inputs into fp32, upcast + ``addmm_``
-  10.7 / 36.6 ms vs upcast + ``mm`` + ``add_`` 11.7 / 52.1 ms vs a native bf16 ``mm`` (which also
-  rounds the product to bf16, so is wrong here) 76.5 / 91.9 ms. ``torch.mm(..., out_dtype=float32)``
-  has no CPU kernel in torch 2.13. It skips the reshape and casts that are no-ops.
+- ``fast``: on CPU the same formulation, picked by measurement (figures in
+  docs/features/fused-kernels.md, "Backend choices"): with fp32 inputs ``addmm_`` and ``mm`` +
+  ``add_`` are equal within noise (``addmm_`` allocates no ``[out, in]`` temporary); with bf16 inputs
+  into fp32, upcast + ``addmm_`` is the fastest, ahead of upcast + ``mm`` + ``add_`` and far ahead of
+  a native bf16 ``mm`` (which also rounds the product to bf16, so is wrong here).
+  ``torch.mm(..., out_dtype=float32)`` has no CPU kernel in torch 2.13. It skips the reshape and casts
+  that are no-ops.
 
   On CUDA, with fp16/bf16 inputs (both the same) and an fp32 ``main_grad``, it runs
   ``torch.mm(g.t(), x, out_dtype=torch.float32)`` (``aten::mm.dtype``: a half GEMM on the tensor
   cores that accumulates in fp32 and writes fp32) and then ``main_grad.add_`` it: the same contract
   (exact half products, fp32 accumulation, one rounding into ``main_grad``; only the summation order
-  differs). Why: on an NVIDIA H100 (torch 2.11 cu130), ``bench/ops.py --scale 1 --dtype bf16``
-  (forward + backward, median) measured the upcast path at 7.28 ms for bf16 inputs into an fp32
-  ``main_grad`` (4096 tokens, 4096 -> 11008), against 0.75 ms for megatron's unfused bf16 path: the
-  upcast runs an fp32 GEMM, about 10x slower than a bf16 one there. The out_dtype path was written
-  after that measurement and has NOT run on a GPU yet; ``tests/gpu/test_cuda_fast_ops.py`` checks
-  it (accuracy against fp64, and that the path is taken) on the next GPU session. It is used only
+  differs). Why: on an NVIDIA H100, ``bench/ops.py --scale 1 --dtype bf16`` measured the upcast path
+  for bf16 inputs into an fp32 ``main_grad`` far slower than megatron's unfused bf16 path: the upcast
+  runs an fp32 GEMM, an order of magnitude slower than a bf16 one there (docs/features/fused-kernels.md,
+  "On a GPU", wgrad accumulate row of the scale-1 table). The out_dtype path was written
+  after that measurement; ``tests/gpu/test_cuda_fast_ops.py`` checks it (accuracy against fp64, and
+  that the path is taken) and passed on an H200 (docs/gpu.md). It is used only
   when this torch has ``aten::mm.dtype`` (detected once at import); if the call raises (an older
   torch, a dtype combination cuBLAS refuses) that is noticed once, the upcast path serves the call,
   and the out_dtype path is not tried again in this process (``OUT_DTYPE_MM.failed`` says why; out

@@ -1,4 +1,5 @@
-"""Engines for this area land here (see DESIGN.md §3); nothing in them imports megatron.
+"""Parallel engines (HSDP, context parallel, pipeline schedules): plain torch and torch.distributed, no
+megatron import (docs/design.md).
 
 ``ContextParallel`` (hyper_adaptor.parallel.context) is re-exported lazily: importing this package stays
 free of torch.distributed, like ``hsdp``, which is reached as ``hyper_adaptor.parallel.hsdp``.

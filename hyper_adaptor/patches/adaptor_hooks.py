@@ -11,7 +11,7 @@ nothing prepared, no feature enabled, nothing to apply.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)

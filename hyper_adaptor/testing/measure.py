@@ -113,20 +113,26 @@ def _rebind_c10d(names, wrap) -> list:
     """Put ``wrap(name, fn)`` in place of each named torch.distributed function in every module that holds
     it by name: ``torch.distributed.X``, c10d's own globals (P2POp compares ``op is isend`` against them,
     so they must stay the object an engine passes) and aliases such as megatron's
-    ``dist_reduce_scatter_func``. Returns what :func:`_restore` puts back."""
+    ``dist_reduce_scatter_func``. Where ``torch.distributed.X`` is itself a wrap of c10d's function (level
+    0's gloo shape fixes), both are wrapped, so a call is counted under the name it was made by (the
+    inner call is nested and not counted again). Returns what :func:`_restore` puts back."""
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    originals = {name: getattr(c10d, name) for name in names if hasattr(c10d, name)}
-    wrappers = {id(fn): wrap(name, fn) for name, fn in originals.items()}
+    known: dict[int, tuple] = {}  # id(fn) -> (fn, its counted wrapper)
+    for name in names:
+        for fn in (getattr(c10d, name, None), getattr(dist, name, None)):
+            if fn is not None and id(fn) not in known:
+                known[id(fn)] = (fn, wrap(name, fn))
     installed = []
     for module in list(sys.modules.values()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(namespace, dict):
             continue
         for attr, value in list(namespace.items()):
-            wrapper = wrappers.get(id(value)) if callable(value) else None
-            if wrapper is not None and any(value is fn for fn in originals.values()):
-                namespace[attr] = wrapper
+            entry = known.get(id(value)) if callable(value) else None
+            if entry is not None and entry[0] is value:
+                namespace[attr] = entry[1]
                 installed.append((namespace, attr, value))
     return installed
 

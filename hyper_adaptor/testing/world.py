@@ -51,7 +51,7 @@ def _rank_main(rank, world_size, port, target, kwargs, queue):
         buffer = io.BytesIO()
         torch.save(result, buffer)
         queue.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001  (report everything to the parent)
+    except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         try:
@@ -59,7 +59,7 @@ def _rank_main(rank, world_size, port, target, kwargs, queue):
 
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 
@@ -99,7 +99,7 @@ def run_world(world_size: int, target: str, timeout: float = 300, daemon: bool =
             except queue_module.Empty:
                 if all(p.exitcode is not None for p in procs) and queue.empty():
                     codes = [p.exitcode for p in procs]
-                    raise WorldError(f"{target}: ranks exited (codes {codes}) without a result")
+                    raise WorldError(f"{target}: ranks exited (codes {codes}) without a result") from None
                 continue
             if status == "ok":
                 import torch

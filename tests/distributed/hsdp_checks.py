@@ -140,7 +140,8 @@ def level_matrix(rank: int, world_size: int) -> dict:
         for shard_size in (2, 4):
             for comm_async in (False, True):
                 for comm_fusion in (False, True):
-                    key = f"{level}-S{shard_size}-{'async' if comm_async else 'sync'}-{'fused' if comm_fusion else 'per-param'}"
+                    key = (f"{level}-S{shard_size}-{'async' if comm_async else 'sync'}-"
+                           f"{'fused' if comm_fusion else 'per-param'}")
                     model = wrap(
                         make_model(), optimizer_level=level, shard_size=shard_size, threshold=THRESHOLD_KB,
                         comm_async=comm_async, comm_fusion=comm_fusion, bucket_size=-1 if comm_fusion else 0,
@@ -573,5 +574,6 @@ def _bf16_compute() -> dict:
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
     shard_dtype = next(model.parameters()).dtype
-    return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")), "shard_dtype": str(shard_dtype),
+    return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")),
+            "shard_dtype": str(shard_dtype),
             "grads": first_grads, "ref_grads": ref["first_grads"]}

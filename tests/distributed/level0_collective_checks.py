@@ -226,7 +226,7 @@ def _run(checks):
     for name, fn in checks.items():
         try:
             results[name] = bool(fn())
-        except Exception as error:  # noqa: BLE001  (the error is the result being checked)
+        except Exception as error:
             results[name] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
     return results
 

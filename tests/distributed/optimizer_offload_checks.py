@@ -91,7 +91,8 @@ def _build(run: dict):
     dtype = torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
     config = TransformerConfig(
         num_layers=gp.LAYERS, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16, fp16=fp16,
+        attention_dropout=0.0, use_cpu_initialization=True, pipeline_dtype=dtype, params_dtype=dtype, bf16=bf16,
+        fp16=fp16,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=gp.VOCAB,
@@ -224,8 +225,8 @@ def _checkpoint_state(chunk, optimizer, is_loading: bool) -> dict:
     """What megatron.training saves (and the template a load fills) for --ckpt-format torch_dist:
     its own generate_state_dict over the unwrapped chunk (HSDP localizes its shards there)."""
     from megatron.core import parallel_state as ps
-    from megatron.training.checkpointing import generate_state_dict
     from megatron.core.utils import unwrap_model
+    from megatron.training.checkpointing import generate_state_dict
 
     args = types.SimpleNamespace(ckpt_format="torch_dist", no_save_optim=False, no_save_rng=True)
     # megatron.training's metadata (_build_sharded_state_dict_metadata) for its default flags
@@ -308,7 +309,7 @@ def _plain_state_dict_round_trip() -> dict:
         buffer.seek(0)
         try:
             saved = torch.load(buffer, weights_only=True)
-        except Exception as error:  # noqa: BLE001  (reported to the test, which names it)
+        except Exception as error:
             saved = {"error": f"{type(error).__name__}: {error}"[:300]}
     ps.destroy_model_parallel()
     if "error" in saved:
@@ -353,5 +354,6 @@ def all_checks(rank: int, world_size: int, tmpdir: str) -> dict:
         out["resume"][name] = resume(RUNS[name], tmpdir)
     out["resume"]["bf16-distopt-pa"] = resume(PRECISION_AWARE["bf16-distopt-pa"], tmpdir)
     out["weights_only"] = _plain_state_dict_round_trip()
-    out["reload"] = {"reference": reload_params(RUNS["bf16"]), "offload": reload_params({**RUNS["bf16"], "offload": True})}
+    out["reload"] = {"reference": reload_params(RUNS["bf16"]),
+                     "offload": reload_params({**RUNS["bf16"], "offload": True})}
     return out

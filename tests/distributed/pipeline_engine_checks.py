@@ -149,7 +149,7 @@ def forward_only_case(rank: int, p: int) -> dict:
 def broken_lists(rank: int, p: int) -> dict:
     """Hand-broken action lists are refused on every rank, before any communication."""
     from hyper_adaptor.parallel.pipeline import MetaStepType as T
-    from hyper_adaptor.parallel.pipeline import ScheduleError, build, schedule_from_actions  # noqa: F401
+    from hyper_adaptor.parallel.pipeline import ScheduleError, build, schedule_from_actions
 
     out = {}
     layout, stages = make_stages("gpipe", p, rank)

@@ -35,10 +35,10 @@ def _dropout_masks(seed):
 
 
 def tracker_semantics(rank: int, world_size: int) -> dict:
+    import hyper_adaptor.megatron_adaptor as adaptor
+
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
-
-    import hyper_adaptor.megatron_adaptor as adaptor
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=2)

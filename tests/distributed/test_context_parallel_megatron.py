@@ -73,7 +73,8 @@ def two_ranks(reference):
     layouts["CP2-ulysses-recompute"] = _layout(2, "ulysses", extra=RECOMPUTE)
     result = run_world(2, TARGET, timeout=600, layouts=layouts, init_params=reference["fp32"]["init"])[0]
     moe = _layout(2, "ring", extra=MOE, spec=dict(num_experts=4))
-    result.update(run_world(2, TARGET, timeout=600, layouts={"CP2-ring-MoE": moe}, init_params=reference["moe"]["init"])[0])
+    result.update(run_world(2, TARGET, timeout=600, layouts={"CP2-ring-MoE": moe},
+                            init_params=reference["moe"]["init"])[0])
     return result
 
 

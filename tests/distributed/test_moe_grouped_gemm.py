@@ -39,6 +39,7 @@ BF16 = dict(loss_rtol=1e-3, grad_rtol=1e-2, param_atol=1e-3)
 
 def _build(ep: int, bf16: bool, grad_fusion: bool, flag: bool, seed: int):
     import torch.nn.functional as F
+
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -77,12 +78,13 @@ def _build(ep: int, bf16: bool, grad_fusion: bool, flag: bool, seed: int):
 def train(rank: int, world_size: int, *, level: int | None, flag: bool, bf16: bool, steps: int = 3,
           seed: int = 1234) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from hyper_adaptor.megatron_adaptor import ADAPTOR
     from hyper_adaptor.ops import backend
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world_size)

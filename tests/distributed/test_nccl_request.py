@@ -1,4 +1,4 @@
-"""Point 1 of issue 19: a world made with backend="nccl" (code written for CUDA) runs on CPU, gloo."""
+"""A world made with backend="nccl" (code written for CUDA) runs on CPU, gloo."""
 
 import pytest
 

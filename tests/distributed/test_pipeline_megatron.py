@@ -74,12 +74,12 @@ def _args(schedule: str, layout: dict):
 def train_schedules(rank: int, world_size: int, cases: dict) -> dict:
     import collections
 
+    import torch.distributed as dist
+
     from hyper_adaptor.features import get
     from hyper_adaptor.patch_manager import Patch, PatchManager
     from hyper_adaptor.patches.pipeline import wgrad
     from tests.distributed import gpt_parity
-
-    import torch.distributed as dist
 
     feature = get("pipeline")
     results = {}
@@ -126,9 +126,11 @@ def test_every_schedule_matches_megatrons_own():
             assert diffs == [], f"{case} {schedule}:\n" + "\n".join(diffs[:20])
             for r, result in enumerate(ranks):
                 want, have = result[case]["megatron"], result[case][schedule]
-                assert have["grad_norm"] == pytest.approx(want["grad_norm"], rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), \
+                assert have["grad_norm"] == pytest.approx(want["grad_norm"],
+                                                          rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), \
                     (case, schedule, r)
-                assert have["eval"] == pytest.approx(want["eval"], rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), (case, schedule, r)
+                assert have["eval"] == pytest.approx(want["eval"], rel=V_BF16_NORM_RTOL if v_bf16 else 1e-5), \
+                    (case, schedule, r)
                 assert have["loss"] == pytest.approx(want["loss"], rel=1e-5), (case, schedule, r)
                 assert have["served"] == len(have["loss"]) + 1, (case, schedule, r)
                 # zero-bubble schedules computed megatron's linear weight gradients in W steps

@@ -52,8 +52,9 @@ class _LookedUpByTENames(dict):
 def train_both_specs(rank: int, world_size: int, tp: int, sequence_parallel: bool = False, mla: bool = False,
                      init_params: dict | None = None) -> dict:
     """Rank code: the local-spec GPT, then the TE-spec GPT, in one world (a world costs ~10 s)."""
-    from megatron.core.models.gpt import gpt_layer_specs
     from tests.distributed import gpt_parity
+
+    from megatron.core.models.gpt import gpt_layer_specs
 
     layout = dict(tp=tp, sequence_parallel=sequence_parallel, **(MLA if mla else {}))
     local = gpt_parity.train(rank, world_size, Layout(**layout), init_params)
@@ -91,7 +92,8 @@ def test_mla_gpt_trains_at_tp1_and_tp2_and_te_spec_matches_local():
     """Multi-latent attention without TE: megatron's local spec (and so the TE spec's stand-in) could not
     build an MLA layer at all — its core attention refused MLA's key/value head sizes, and YaRN RoPE
     asked for an accelerator on CPU (patches/compat/megatron_core.py). Now: the TE-spec MLA GPT equals
-    the local-spec MLA GPT (1e-6), and the TP2 run equals the TP1 run (losses and gradients of 3 steps, 1e-5: TP splits the reductions)."""
+    the local-spec MLA GPT (1e-6), and the TP2 run equals the TP1 run (losses and gradients of 3 steps,
+    1e-5: TP splits the reductions)."""
     tp1 = run_world(1, TARGET, timeout=400, tp=1, mla=True)[0]
     # from the TP1 run's starting point (megatron draws TP-sharded weights differently at TP2)
     tp2 = run_world(2, TARGET, timeout=400, tp=2, mla=True, init_params=tp1["local"]["init"])[0]

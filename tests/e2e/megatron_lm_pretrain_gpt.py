@@ -14,29 +14,29 @@ examples/pretrain_gpt.py, which build them as Megatron-LM's script does for a pl
 
 import os
 import sys
+from functools import partial
 
 import torch
-import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
 
-from functools import partial
+import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from megatron.core import mpu  # noqa: E402
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.core.parallel_state import get_context_parallel_group  # noqa: E402
-from megatron.core.utils import (  # noqa: E402
+from examples.pretrain_gpt import train_valid_test_datasets_provider
+
+from megatron.core import mpu
+from megatron.core.enums import ModelType
+from megatron.core.parallel_state import get_context_parallel_group
+from megatron.core.utils import (
     flatten_batch_for_packed_sequences,
     get_attr_wrapped_model,
     get_batch_on_this_cp_rank,
     get_batch_on_this_tp_rank,
 )
-from megatron.training import get_args, pretrain  # noqa: E402
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-from megatron.training.utils import is_first_or_last_pipeline_stage  # noqa: E402
-
-from examples.pretrain_gpt import train_valid_test_datasets_provider  # noqa: E402
+from megatron.training import get_args, pretrain
+from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.arguments import parse_and_validate_args
+from megatron.training.utils import is_first_or_last_pipeline_stage
 
 FIELDS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask", "max_seqlen",
           "position_ids", "tokens")

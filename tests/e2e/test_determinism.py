@@ -25,8 +25,9 @@ COMMON = ["--mock-data", "--num-workers", "0", "--train-iters", ITERS, "--determ
 
 def _checkpoint(path) -> dict:
     """One torch_dist checkpoint as {name: value}, every shard of every rank put together."""
-    import hyper_adaptor.megatron_adaptor  # noqa: F401  (megatron's classes are in the pickles)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import hyper_adaptor.megatron_adaptor  # noqa: F401  (megatron's classes are in the pickles)
 
     out = path.parent / (path.name + ".pt")
     dcp_to_torch_save(str(path), str(out))
@@ -117,6 +118,7 @@ def rank_switches(rank, world_size):
     import hyper_adaptor.megatron_adaptor  # noqa: F401
     from hyper_adaptor import platform
     from hyper_adaptor.patches import determinism
+
     from megatron.training.arguments import core_transformer_config_from_args, parse_args, validate_args
 
     sys.argv = ["pretrain_gpt.py", *SWITCH_FLAGS]

@@ -25,22 +25,24 @@ LAYOUTS = {
     # _ReduceFromModelParallelRegion, which autograd refuses at TP 1 (megatron DDP alike)
     "DP4-MoE": ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"],
     # full activation recomputation: each layer's forward runs again inside backward
-    "DP4-recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "DP4-recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                      "--recompute-num-layers", "1"],
     "TP2xDP2": ["--tensor-model-parallel-size", "2"],
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
 }
 RUNS = {
     # 16 KB buckets, far below the model: level 1's end-of-backward reduction and the root's early
     # all-gather run as many bucket-sized collectives
-    "DP4-level1-hybrid": ("DP4", ["--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0", "--hsdp-shard-size", "2",
-                                  "--hsdp-bucket-size-kb", "16"]),
+    "DP4-level1-hybrid": ("DP4", ["--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0",
+                                  "--hsdp-shard-size", "2", "--hsdp-bucket-size-kb", "16"]),
     "DP4-level2-async-default-threshold": ("DP4", ["--hsdp-optimizer-level", "level2", "--hsdp-comm-async"]),
     "DP4-level3": ("DP4", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "DP4-MoE-level3": ("DP4-MoE", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     # level 3 frees a unit's parameters after its forward; the recomputed forward in backward must find them
     "DP4-recompute-level3": ("DP4-recompute", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "TP2xDP2-level3": ("TP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
-    "PP2xDP2-level2": ("PP2xDP2", ["--hsdp-optimizer-level", "level2", "--hsdp-threshold-kb", "0", "--hsdp-bucket-size-kb", "16"]),
+    "PP2xDP2-level2": ("PP2xDP2", ["--hsdp-optimizer-level", "level2", "--hsdp-threshold-kb", "0",
+                                   "--hsdp-bucket-size-kb", "16"]),
     # level 3's default prefetch under the 1F1B schedule (forwards and backwards of micro-batches interleave)
     "PP2xDP2-level3": ("PP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
 }
@@ -135,7 +137,8 @@ RESUMES = {
     "TP2xDP2-level2-swiglu-bf16": ("TP2xDP2", ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"],
                                    ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"], SWIGLU_MODEL),
     # another level and shard size reads it: level 3 over 4 ranks writes, level 1 hybrid (2 x 2) resumes
-    "DP4-level3-to-level1-hybrid": ("DP4", ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"],
+    "DP4-level3-to-level1-hybrid": ("DP4",
+                                    ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"],
                                     ["--use-hsdp", "--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0",
                                      "--hsdp-shard-size", "2"], MODEL),
     # the checkpoint is megatron's own layout: HSDP (hybrid, level 1) writes it, plain DDP resumes

@@ -5,9 +5,9 @@ megatron's validate_args asserts) and the distributed optimizer: in fp32 hyper_a
 precision-aware flag off with a notice; with ``--bf16`` it keeps it, and megatron's own precision-aware
 path runs (no fp32 main shards; its CPU-offload optimizer class replaced by hyper_adaptor's); with ``--bf16``
 alone megatron's bf16 optimizer runs with its fp32 main copies released (the engine's host masters in their
-place), with ``--log-params-norm`` logging the same norms as without the flag. (HSDP, bf16, TP2 with half the state offloaded and PP2 are checked in
-tests/distributed/test_optimizer_offload_megatron.py; --use-hsdp through torchrun in
-tests/e2e/test_memory_megatron.py — one torchrun pair costs ~1.5 min of the suite.)"""
+place), with ``--log-params-norm`` logging the same norms as without the flag. (HSDP, bf16, TP2 with half
+the state offloaded and PP2 are checked in tests/distributed/test_optimizer_offload_megatron.py; --use-hsdp
+through torchrun in tests/e2e/test_memory_megatron.py — one torchrun pair costs ~1.5 min of the suite.)"""
 
 import re
 

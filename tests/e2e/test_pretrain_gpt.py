@@ -50,6 +50,7 @@ def pretrain(nproc, *args, timeout=420, model=MODEL, env=None, script="examples/
 
 def _abort_hung_ranks(proc):
     import signal
+
     import psutil
 
     def cmdline(process):

@@ -86,7 +86,8 @@ def test_feature_flag_above_level_is_a_notice_naming_the_flag_and_level(probe_fe
     args = megatron_args("--use-probe", "--optimization-level", "1")
     ADAPTOR.prepare(args)
     out = capsys.readouterr().out
-    assert "--use-probe, --probe-exclusive (probe) is a level-2 feature but --optimization-level is 1: not applied" in out
+    assert ("--use-probe, --probe-exclusive (probe) is a level-2 feature but --optimization-level is 1: "
+            "not applied") in out
     assert not probe_feature.is_enabled(args)
     ADAPTOR.prepare(megatron_args("--optimization-level", "1"))
     assert "probe" not in capsys.readouterr().out  # not asked for: nothing said
@@ -177,7 +178,8 @@ def test_describe_reports_bad_level():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (("--use-fused-swiglu", "--swiglu", "--no-bias-swiglu-fusion"), "--use-fused-swiglu and --no-bias-swiglu-fusion"),
+        (("--use-fused-swiglu", "--swiglu", "--no-bias-swiglu-fusion"),
+         "--use-fused-swiglu and --no-bias-swiglu-fusion"),
         (("--use-fused-swiglu",), "--use-fused-swiglu needs --swiglu"),
         (("--use-fused-rmsnorm",), "--use-fused-rmsnorm needs --normalization RMSNorm, got --normalization LayerNorm"),
         (("--use-fused-rotary-pos-emb", "--position-embedding-type", "learned_absolute"),
@@ -246,7 +248,8 @@ assert "type" not in vars(torch.Tensor) and torch.Tensor.type is inherited
 assert not hasattr(typing, "override")
 assert "megatron.core.transformer.moe.ops.paged_stash" not in sys.modules
 assert not any(type(f).__name__ == "_StandInFinder" for f in sys.meta_path)
-assert not hasattr(torch.cuda.current_device, "__qualname__") or "emulated" not in torch.cuda.current_device.__qualname__
+assert (not hasattr(torch.cuda.current_device, "__qualname__")
+        or "emulated" not in torch.cuda.current_device.__qualname__)
 print("clean")
 """
     env = {k: v for k, v in __import__("os").environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
@@ -258,8 +261,9 @@ print("clean")
 def test_host_fork_warning_is_dropped_and_other_records_pass(caplog):
     import logging
 
-    import megatron.core.tensor_parallel.random as rng
     from hyper_adaptor.patches.compat.megatron_core import HOST_FORK_WARNING, RNG_MODULE
+
+    import megatron.core.tensor_parallel.random as rng
 
     if ADAPTOR.device_type != "cpu":
         pytest.skip("a CPU patch")

@@ -3,7 +3,6 @@
 Distributed behaviour (RNG across TP ranks, the PP2-VPP trap, parity) is in tests/distributed.
 """
 
-import copy
 import types
 
 import pytest
@@ -115,18 +114,20 @@ def test_local_norm_under_sequence_parallel_marks_its_params():
 
     norm = WrappedTorchNorm(_norm_config(True), 8)
     assert all(getattr(p, "sequence_parallel", False) for p in norm.parameters())
-    assert not any(getattr(p, "sequence_parallel", False) for p in WrappedTorchNorm(_norm_config(False), 8).parameters())
+    assert not any(getattr(p, "sequence_parallel", False)
+                   for p in WrappedTorchNorm(_norm_config(False), 8).parameters())
     with pytest.raises(AssertionError, match="sequence parallel"):
-        original("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__").__func__(WrappedTorchNorm, _norm_config(True), 8)
+        original("megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__").__func__(
+            WrappedTorchNorm, _norm_config(True), 8)
 
 
 def test_jit_warm_up_leaves_host_rng_alone():
     """megatron's warm-up draws TP-size-dependent random shapes; with the host generator shared, TP1
     and TP2 would initialise different weights. (The real warm-up needs megatron's global args and a
     torch.compile; its effect on whole runs is covered by the TP parity tests.)"""
-    from megatron.training import initialize
-
     from hyper_adaptor.patches.compat.megatron_training import _warm_up_without_moving_host_rng
+
+    from megatron.training import initialize
 
     def draws(tp_size=None):  # stands for the warm-up's device="cuda" random inputs
         return torch.rand(16 // (tp_size or 1), device="cuda")
@@ -146,9 +147,9 @@ def test_jit_warm_up_is_skipped_when_no_bias_fusion_is_on(monkeypatch):
     seconds in torch.compile on the host for kernels the run never calls."""
     import types
 
-    from megatron.training import global_vars
-
     from hyper_adaptor.patches.compat.megatron_training import _warm_up_without_moving_host_rng
+
+    from megatron.training import global_vars
 
     calls = []
     warm = _warm_up_without_moving_host_rng(lambda tp_size=None: calls.append(tp_size))

@@ -1,4 +1,4 @@
-"""Issue 19, for megatron-core library users (no megatron.training command line): process groups
+"""For megatron-core library users (no megatron.training command line): process groups
 requested with "nccl" and the fusion switches set on a TransformerConfig directly. Each fix is shown
 needed (the original fails) and working. The 2-rank world is in tests/distributed/test_nccl_request.py.
 """

@@ -95,13 +95,14 @@ def cp2_attention():
     constructor asserts CP == 1 without them), in a world of one (the refusals come before any group)."""
     import torch
     import torch.distributed as dist
+
+    from hyper_adaptor.patch_manager import PatchManager
+    from hyper_adaptor.patches.context import attention
+
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-
-    from hyper_adaptor.patch_manager import PatchManager
-    from hyper_adaptor.patches.context import attention
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -131,9 +132,9 @@ def test_the_local_attention_is_built_at_cp2_with_its_layers_algorithm(cp2_atten
     (dict(attn_mask_type="padding"), "mask type padding"),
 ])
 def test_calls_context_parallel_does_not_serve_are_refused(cp2_attention, call, message):
-    from megatron.core.transformer.enums import AttnMaskType
-
     from hyper_adaptor.patches.context.attention import ContextParallelUnsupported
+
+    from megatron.core.transformer.enums import AttnMaskType
 
     module, q = cp2_attention
     if call.get("attn_mask_type") == "padding":

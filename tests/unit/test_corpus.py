@@ -17,6 +17,7 @@ import importlib.util  # noqa: E402
 
 import numpy  # noqa: E402
 import pytest  # noqa: E402
+
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
 from megatron.core.datasets.utils import Split  # noqa: E402
@@ -28,9 +29,9 @@ _spec.loader.exec_module(corpus)
 
 # Sorted by relative path these are the documents, in this order.
 GOOD = {
-    "a.py": "x = 1\n".encode(),
-    "c.py": "def f():\n    return 2\n".encode(),
-    "pkg/b.py": "s = 'héllo — ünïcode ✓'\n".encode("utf-8"),  # multi-byte UTF-8
+    "a.py": b"x = 1\n",
+    "c.py": b"def f():\n    return 2\n",
+    "pkg/b.py": "s = 'héllo — ünïcode ✓'\n".encode(),  # multi-byte UTF-8
 }
 SKIPPED = {
     "bad.py": "# -*- coding: latin-1 -*-\nname = 'é'\n".encode("latin-1"),  # not UTF-8

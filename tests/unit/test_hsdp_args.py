@@ -3,7 +3,6 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import hyper_adaptor.megatron_adaptor as adaptor_module
@@ -13,13 +12,6 @@ from tests.unit.test_adaptor import megatron_args
 
 ADAPTOR = adaptor_module.ADAPTOR
 
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
@@ -79,7 +71,8 @@ def _prepare(*flags, world=4):
         (("--num-experts", "4", "--expert-model-parallel-size", "2"),
          "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 2"),
         (("--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 1 --expert-tensor-parallel-size 1"),
+         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 1 "
+         "--expert-tensor-parallel-size 1"),
     ],
 )
 def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
@@ -103,7 +96,8 @@ def test_hsdp_flags_switch_off_grad_accumulation_fusion_and_map_to_the_engine(ca
     args = _prepare("--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-shard-size", "2",
                     "--hsdp-bucket-size-kb", "0", "--hsdp-reduce-dtype", "fp32")
     assert args.gradient_accumulation_fusion is False
-    assert "--gradient-accumulation-fusion: True -> False (--use-hsdp reduces gradients from .grad)" in capsys.readouterr().out
+    assert ("--gradient-accumulation-fusion: True -> False (--use-hsdp reduces gradients from .grad)"
+            in capsys.readouterr().out)
     kw = hsdp_kwargs(args)
     assert kw["optimizer_level"] == "level3" and kw["shard_size"] == 2
     assert kw["comm_fusion"] is False and kw["reduce_dtype"] is torch.float32
@@ -122,6 +116,7 @@ def test_fp16_reduces_in_fp32_unless_told(capsys):
 
     args = _prepare("--use-hsdp", "--fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float32
-    assert "--hsdp-reduce-dtype: None -> 'fp32' (--use-hsdp with --fp16 reduces gradients in fp32" in capsys.readouterr().out
+    assert ("--hsdp-reduce-dtype: None -> 'fp32' (--use-hsdp with --fp16 reduces gradients in fp32"
+            in capsys.readouterr().out)
     args = _prepare("--use-hsdp", "--fp16", "--hsdp-reduce-dtype", "fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float16

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from hyper_adaptor.parallel.hsdp import HostBufferPool, _collectives
-from tests.unit.ops._world import open_world_of_one
 
 CPU = torch.device("cpu")
 
@@ -54,15 +53,6 @@ def test_keep_zero_keeps_nothing():
     pool.give(torch.empty(100))
     assert pool.reserved_bytes() == 0
 
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    import torch.distributed as dist
-
-    own = open_world_of_one()
-    yield
-    if own:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("async_op", [False, True])

@@ -12,7 +12,6 @@ import pytest
 import torch.nn as nn
 
 from hyper_adaptor.parallel.hsdp import CPUOffloadPolicy, HostBufferPool, OffloadPolicy, fully_shard, hsdp
-from tests.unit.test_hsdp_pool import world_of_one  # noqa: F401  (the fixture: a gloo group of one)
 
 ROOT = Path(__file__).resolve().parents[2]
 

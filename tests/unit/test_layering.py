@@ -128,8 +128,7 @@ def private_names(path: pathlib.Path) -> list[str]:
 
 def _sources(*folders: str):
     for folder in folders:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            yield path
+        yield from sorted((ROOT / folder).rglob("*.py"))
 
 
 def _violations(rule, *folders: str) -> list[str]:

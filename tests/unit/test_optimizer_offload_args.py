@@ -10,7 +10,6 @@ from hyper_adaptor.patch_manager import PatchManager
 from hyper_adaptor.patches.memory import optimizer as optimizer_patches
 from tests.unit.test_adaptor import megatron_args
 
-
 optimizer = get("optimizer_offload")
 HIDE = "--optimizer-cpu-offload: hidden from megatron's argument checks"
 

@@ -764,7 +764,8 @@ def test_module_stand_in_is_served_then_withdrawn(fake, pm, tmp_path):
 
 
 def test_module_stand_in_needs_the_real_file_and_refuses_an_imported_module(fake, pm):
-    with pytest.raises(PatchTargetError, match=r"module '.*\.nowhere' does not exist in the installed megatron-core 9\.9\.9"):
+    with pytest.raises(PatchTargetError,
+                       match=r"module '.*\.nowhere' does not exist in the installed megatron-core 9\.9\.9"):
         pm.register(Patch(fake.t("nowhere"), lambda m: None, "module", "feat"))
     pm.register(Patch(fake.t("a"), lambda m: None, "module", "feat"))  # exists, but imported already
     with pytest.raises(PatchError, match="already imported"):

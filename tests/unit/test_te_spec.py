@@ -212,11 +212,11 @@ def test_level_1_fused_rmsnorm_serves_the_stand_in_norm(model_parallel):
     """With level 1's fused RMSNorm feature applied, the TE spec's fused norm + linear normalises
     through hyper_adaptor's rms_norm op (two per layer: before qkv and before fc1), with the result of
     torch's RMSNorm; undone, it is torch's again."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
     from hyper_adaptor.ops import backend
     from hyper_adaptor.patch_manager import PatchManager
     from hyper_adaptor.patches.fused import rms_norm as fused_rms_norm
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     layer = _layer(get_gpt_layer_with_transformer_engine_spec(), _config(normalization="RMSNorm"))
     with torch.no_grad():

@@ -25,7 +25,7 @@ here, while the fp32 dK/dV accumulators of a block travel around the ring with t
 one last hop, arrive at the block's owner complete. K/V are sent before the compute (they need no
 gradient); dK/dV after it, to the same neighbour in the same step.
 
-Why not torch's ``_templated_ring_attention`` (DESIGN §8): it is private, dispatches through DTensor
+Why not torch's ``_templated_ring_attention``: it is private, dispatches through DTensor
 and SDPA in [b, h, s, d] with its own load balancer and rotation, and has no NPU kernel; adapting
 megatron's layout, torch_npu's fused attention and the counters below to it would be longer than this.
 """

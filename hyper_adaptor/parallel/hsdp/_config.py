@@ -16,12 +16,13 @@ OPTIMIZER_LEVELS = ("level1", "level2", "level3")
 # default, max(40 M, 1 M x data-parallel size) elements (160 MB of fp32 and more), favours few, very
 # large collectives and bounds nothing below that size; torch's is the smaller of the two common
 # defaults and already amortises a collective's fixed cost (a rendezvous of every rank, a launch): on
-# the 2-core CI box (bench/hsdp.py, 13 MiB model) 8 MiB buckets cost no step time against one
-# whole-model collective, 4 MiB ~5%, 1 MiB ~30% (docs/features/hsdp.md, "bucket size"), so the
-# default stays well above where that cost begins while bounding every model larger than it. Every
-# transient communication buffer of HSDP is at most one bucket (a single parameter larger than it goes
-# alone), so the bucket is also what HSDP adds to the peak memory of a step beyond the model state:
-# about two buckets (about three at level 3 in backward, see _bucket.py).
+# the CI box (bench/hsdp.py) buckets somewhat smaller than the default cost no step time against one
+# whole-model collective and only much smaller ones slow the step (figures in docs/features/hsdp.md,
+# "Bucket size: memory against speed"), so the default stays well above where that cost begins while
+# bounding every model larger than it. Every transient communication buffer of HSDP is at most one
+# bucket (a single parameter larger than it goes alone), so the bucket is also what HSDP adds to the
+# peak memory of a step beyond the model state: about two buckets (about three at level 3 in backward,
+# see _bucket.py).
 DEFAULT_BUCKET_KB = 25 * 1024
 
 

@@ -52,7 +52,8 @@ class HSDPParam:
         self.chunk_numel = self.rows_per_rank * self.row_numel  # padded numel each rank sends
         self.local_rows = max(0, min(rows - r * self.rows_per_rank, self.rows_per_rank))
         self.row_start = r * self.rows_per_rank
-        self.aliased = self.master_dtype == self.compute_dtype and not config.reshard_after_forward and not config.offload
+        self.aliased = (self.master_dtype == self.compute_dtype and not config.reshard_after_forward
+                        and not config.offload)
         self.grad_state = "empty"  # empty | local (accumulated, unreduced) | reduced
         self._stash: torch.Tensor | None = None
         # True once the shard has changed since the full copy was gathered (set after every optimizer
@@ -65,7 +66,8 @@ class HSDPParam:
         # hooks are attached to it, and level 3 frees / refills its storage in place.
         self.full = nn.Parameter(data.to(self.compute_dtype, copy=True), requires_grad=param.requires_grad)
         if self.aliased:
-            local = self.full.data[self.row_start : self.row_start + self.local_rows] if self.sharded else self.full.data
+            local = (self.full.data[self.row_start : self.row_start + self.local_rows] if self.sharded
+                     else self.full.data)
         else:
             local = self._own_rows(data).to(self.shard_device, self.master_dtype, copy=True)
         self.local = local
@@ -91,7 +93,8 @@ class HSDPParam:
         spec = self._specs.get(local.dtype)
         if spec is not None and local.shape == self.local.shape:
             # The layout never changes: build the DTensor from the spec of the first one.
-            # ``from_local`` re-derives the spec each call (~0.2 ms, once per gradient per step).
+            # ``from_local`` re-derives the spec each call, once per gradient per step (its cost:
+            # docs/features/hsdp.md, Design, "Copies").
             return DTensor(local, spec, requires_grad=False)
         ndim = self.mesh.device_mesh.ndim
         if self.sharded:

@@ -31,7 +31,7 @@ from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 # The states taking part in the backward pass now running (one list per process: autograd runs one
 # backward at a time on the thread that started it).
 _BACKWARD: dict = {"queued": False, "states": [], "in_flight": None}
-ALL_STATES: "weakref.WeakSet[HSDPState]" = weakref.WeakSet()
+ALL_STATES: weakref.WeakSet[HSDPState] = weakref.WeakSet()
 
 
 def mark_stale(params) -> None:
@@ -91,7 +91,7 @@ def _managed_registrations(module: nn.Module) -> list[tuple[nn.Parameter, list[t
     """Every parameter under ``module`` not already managed by a nested wrap, with all the
     (module, name) places it is registered (tied weights are registered more than once)."""
     found: dict[int, tuple[nn.Parameter, list]] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
+    for _, sub in module.named_modules(remove_duplicate=False):
         for name, param in sub._parameters.items():
             if param is None or hasattr(param, "_hsdp_param"):
                 continue
@@ -197,7 +197,8 @@ class HSDPState:
             p.register_sharded()
         if self._in_backward:
             return None  # a recomputation inside backward: the parameters are still needed
-        if self.config.reshard_after_forward and (self.reshard_after_forward is not False or not torch.is_grad_enabled()):
+        if self.config.reshard_after_forward and (self.reshard_after_forward is not False
+                                                  or not torch.is_grad_enabled()):
             self.reshard()  # (no backward will follow a forward without grad: nothing to keep for)
         if torch.is_grad_enabled():
             tensors, _ = tree_flatten(output)
@@ -210,7 +211,7 @@ class HSDPState:
     def defers_reduce(self) -> bool:
         return self.config.keeps_full_grads and not self.config.comm_async
 
-    def _nested_states(self) -> list["HSDPState"]:
+    def _nested_states(self) -> list[HSDPState]:
         if self._nested is None:
             self._nested = [sub._hsdp_state for sub in self.module.modules()
                             if sub is not self.module and getattr(sub, "_hsdp_state", None) is not None]

@@ -54,7 +54,7 @@ class MetaStep:
     micro_index: int
     step_type: MetaStepType
     stage_index: int
-    pair: "MetaStep | None" = None
+    pair: MetaStep | None = None
 
     def __post_init__(self):
         if not isinstance(self.step_type, MetaStepType):
@@ -70,7 +70,7 @@ class MetaStep:
 
     __repr__ = __str__
 
-    def halves(self) -> tuple["MetaStep", ...]:
+    def halves(self) -> tuple[MetaStep, ...]:
         """The compute steps this action runs: itself, or for FWD_BWD its forward then its backward."""
         if self.pair is None:
             return (self,)

@@ -31,13 +31,14 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-# the functions, not the modules: the package re-exports a function named ``validate``
-from hyper_adaptor.parallel.pipeline.schedules import build as build_lists
-from hyper_adaptor.parallel.pipeline.timeline import render as render_timeline
-from hyper_adaptor.parallel.pipeline.validate import validate as validate_lists
 from hyper_adaptor.parallel.pipeline.actions import MetaStep, MetaStepType, StageLayout
 from hyper_adaptor.parallel.pipeline.runtime import default_device, execute, warm_up_pairs
+
+# the functions, not the modules: the package re-exports a function named ``validate``
+from hyper_adaptor.parallel.pipeline.schedules import build as build_lists
 from hyper_adaptor.parallel.pipeline.stage import PipelineStage, infer_input_shapes
+from hyper_adaptor.parallel.pipeline.timeline import render as render_timeline
+from hyper_adaptor.parallel.pipeline.validate import validate as validate_lists
 from hyper_adaptor.parallel.pipeline.wgrad import enable_weight_deferral
 
 __all__ = ["BatchDimSpec", "PipelineSchedule", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",

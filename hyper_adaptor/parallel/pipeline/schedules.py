@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from .actions import MetaStep, MetaStepType as T, StageLayout
+from .actions import MetaStep, StageLayout
+from .actions import MetaStepType as T
 from .timeline import blocking_times, compute_times, dependencies, output_key
 from .validate import ScheduleError, check_comm, validate
 
@@ -267,8 +268,8 @@ def _phased_comm(compute_lists, layout):
     spans = compute_times(compute_lists, layout)
     starts = [[a for _, a, _ in sp] for sp in spans]
     ends = {}
-    for r, sp in enumerate(spans):
-        for step, a, e in sp:
+    for sp in spans:
+        for step, _, e in sp:
             for h in step.halves():
                 ends[output_key(h)] = e
 

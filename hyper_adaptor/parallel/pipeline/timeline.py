@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .actions import MetaStep, MetaStepType as T, StageLayout
+from .actions import MetaStep, StageLayout
+from .actions import MetaStepType as T
 from .validate import ScheduleError, check_comm, comm_units, match_fifo
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -103,7 +104,7 @@ def blocking_times(lists, layout: StageLayout, costs=None, comm: float = 0.0):
     moved = True
     while moved:
         moved = False
-        for r, (units, unit_of) in enumerate(split):
+        for r, (units, _) in enumerate(split):
             while cur[r] < len(units):
                 u = units[cur[r]]
                 reached[(r, cur[r])] = clock[r]

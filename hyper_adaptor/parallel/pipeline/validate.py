@@ -19,7 +19,8 @@ Everything is a linear pass or a fixed-point loop over the per-rank action lists
 
 from __future__ import annotations
 
-from .actions import MetaStep, MetaStepType as T, StageLayout
+from .actions import MetaStep, StageLayout
+from .actions import MetaStepType as T
 
 _BACKWARDS = (T.BWD, T.BWD_INPUT)
 

@@ -36,10 +36,10 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightGradQueue", "accumulate_weight_grad", "defer_weight_grads", "enable_weight_deferral", "disable_weight_deferral",
-           "deferrable_linear"]
+__all__ = ["WeightGradQueue", "accumulate_weight_grad", "defer_weight_grads", "enable_weight_deferral",
+           "disable_weight_deferral", "deferrable_linear"]
 
-_ACTIVE: list["WeightGradQueue"] = []  # innermost active queue last
+_ACTIVE: list[WeightGradQueue] = []  # innermost active queue last
 
 
 class WeightGradQueue:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+
 from hyper_adaptor.patch_manager import Patch
 from hyper_adaptor.patches import adaptor_hooks
 
@@ -107,7 +108,7 @@ def optimization_level() -> int:
 
 def _deciding_fusion_switches(original):
     @functools.wraps(original)
-    def __post_init__(self):  # noqa: N807  (the dataclass hook it wraps)
+    def __post_init__(self):
         from hyper_adaptor import platform
         from hyper_adaptor.notice import notice
 

@@ -46,7 +46,7 @@ class _LoggingWithoutHostForkWarning:
     def __init__(self, real):
         self._real = real
 
-    def getLogger(self, name=None):  # noqa: N802  (logging's own name)
+    def getLogger(self, name=None):
         logger = self._real.getLogger(name)
         return _LoggerWithoutHostForkWarning(logger, {}) if name == RNG_MODULE else logger
 

@@ -97,7 +97,7 @@ def _layer_norm_column_parallel_linear_class():
                 if p is not None:
                     # with sequence parallel each TP rank normalises its own tokens: the norm's
                     # gradients are partial and megatron all-reduces params flagged like this
-                    setattr(p, "sequence_parallel", config.sequence_parallel)
+                    p.sequence_parallel = config.sequence_parallel
 
         def _norm(self, x):
             weight = self.layer_norm_weight + 1 if self.zero_centered_gamma else self.layer_norm_weight

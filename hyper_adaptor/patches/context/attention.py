@@ -66,9 +66,9 @@ def _wrap_init(original):
 
 
 def _groups(module):
-    from megatron.core import parallel_state
-
     from hyper_adaptor.parallel.context import CPGroups
+
+    from megatron.core import parallel_state
 
     groups = getattr(module, "hyper_cp_groups", None)
     if groups is not None:
@@ -96,9 +96,9 @@ def _wrap_forward(original):
         if self.config.context_parallel_size == 1:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        from megatron.core.transformer.enums import AttnMaskType
-
         from hyper_adaptor.parallel.context import context_parallel_attention
+
+        from megatron.core.transformer.enums import AttnMaskType
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         reason = unsupported_call(self, mask_type, attention_bias, packed_seq_params,

@@ -30,9 +30,10 @@ import math
 from dataclasses import replace
 
 import torch
+from torch.distributed.tensor import DTensor
+
 from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, dict_list_map_outplace, nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-from torch.distributed.tensor import DTensor
 
 
 # -- where this rank's rows are ---------------------------------------------------------------------
@@ -251,7 +252,8 @@ def _dtensor_optimizer_state(torch_optimizer) -> None:
         if not isinstance(param, DTensor):
             continue
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == param.dim() and value.dim() > 0:
+            if (isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == param.dim()
+                    and value.dim() > 0):
                 state[key] = to_dtensor_like(value, param, f"optimizer state {key}")
 
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 
+from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream, mark_stale
+from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict
+
 from megatron.core import parallel_state
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.torch_fully_sharded_data_parallel import TorchFullyShardedDataParallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
-
-from hyper_adaptor.parallel.hsdp import hsdp, hsdp_sync_stream, mark_stale
-from hyper_adaptor.patches.hsdp.checkpoint import dtensor_model_state_dict
 
 
 def _is_hsdp_no_sync(func) -> bool:

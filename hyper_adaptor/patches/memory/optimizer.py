@@ -37,11 +37,18 @@ import torch
 from hyper_adaptor.notice import notice
 from hyper_adaptor.patch_manager import Patch
 from hyper_adaptor.patches.memory.hybrid_optimizer import OffloadedHybridOptimizer
-from hyper_adaptor.patches.memory.main_copies import (copies_to_release, loading_into_host_masters,
-                                                      main_copies, main_copy_on_the_parameters_device,
-                                                      point_main_params_at_masters, refreshing_hosted_masters,
-                                                      releasing, releasing_main_copies_as_made,
-                                                      state_dict_with_host_masters, without_hosted_pairs)
+from hyper_adaptor.patches.memory.main_copies import (
+    copies_to_release,
+    loading_into_host_masters,
+    main_copies,
+    main_copy_on_the_parameters_device,
+    point_main_params_at_masters,
+    refreshing_hosted_masters,
+    releasing,
+    releasing_main_copies_as_made,
+    state_dict_with_host_masters,
+    without_hosted_pairs,
+)
 from hyper_adaptor.patches.memory.torch_optimizer import OffloadedTorchOptimizer
 
 FEATURE = "optimizer_offload"

@@ -83,7 +83,7 @@ def _on_tier(key, value, device):
 class _StateView(MutableMapping):
     """``param -> state`` over the engine's tiers, keyed by megatron's parameters."""
 
-    def __init__(self, owner: "OffloadedTorchOptimizer"):
+    def __init__(self, owner: OffloadedTorchOptimizer):
         self.owner = owner
 
     def _tier(self, param):

@@ -46,7 +46,7 @@ def action_lists(name: str, ranks: int, micro: int, chunks: int, forward_only: b
 class MegatronStage:
     """The engine's StageRunner over one megatron model chunk."""
 
-    def __init__(self, run: "_Run", chunk: int, stage_index: int, is_last: bool):
+    def __init__(self, run: _Run, chunk: int, stage_index: int, is_last: bool):
         self.run, self.chunk, self.stage_index, self.is_last = run, chunk, stage_index, is_last
         self.saved: dict[int, tuple] = {}
         self.deferred: dict[int, list] = {}

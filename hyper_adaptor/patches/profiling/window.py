@@ -36,7 +36,7 @@ class WindowConfig:
     save_path: str
 
     @classmethod
-    def from_args(cls, args) -> "WindowConfig":
+    def from_args(cls, args) -> WindowConfig:
         ranks = profiled_ranks(args)
         return cls(
             start=args.profile_step_start, end=args.profile_step_end,
@@ -51,7 +51,7 @@ class WindowConfig:
         )
 
 
-_window: "ProfileWindow | None" = None
+_window: ProfileWindow | None = None
 
 
 def configure(config: WindowConfig | None) -> None:
@@ -59,7 +59,7 @@ def configure(config: WindowConfig | None) -> None:
     _window = None if config is None else ProfileWindow(config)
 
 
-def current() -> "ProfileWindow | None":
+def current() -> ProfileWindow | None:
     return _window
 
 

@@ -7,9 +7,16 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hyper_adaptor.memory import (CheckpointPolicy, GroupState, SwapError, SwapManager, checkpoint, checkpoint_wrapper,
-                                  swap_wrapper)
-from hyper_adaptor.memory import api
+from hyper_adaptor.memory import (
+    CheckpointPolicy,
+    GroupState,
+    SwapError,
+    SwapManager,
+    api,
+    checkpoint,
+    checkpoint_wrapper,
+    swap_wrapper,
+)
 from tests.unit.memory._models import batch, make_stack, step
 
 LAYERS = 3

@@ -7,6 +7,7 @@ from tests.unit.ops._world import open_world_of_one
 def megatron_state():
     """One-process gloo group and megatron's model-parallel state (tp = 1), with its RNG tracker."""
     import torch.distributed as dist
+
     from megatron.core import parallel_state, tensor_parallel
 
     own = open_world_of_one()

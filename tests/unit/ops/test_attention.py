@@ -2,7 +2,6 @@
 
 import math
 import os
-
 import subprocess
 import sys
 
@@ -14,6 +13,7 @@ from hyper_adaptor.ops import attention as attn
 from hyper_adaptor.ops import backend as backend_module
 from hyper_adaptor.patch_manager import PatchManager
 from hyper_adaptor.patches.fused import attention as attn_patch
+
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType

@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron imports on CPU)
-from hyper_adaptor.features.base import FeatureConfigError
-from hyper_adaptor.features.base import RECORD, restore_hidden, taken
+from hyper_adaptor.features.base import FeatureConfigError, restore_hidden, taken
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
 from hyper_adaptor.ops import backend as ops_backend
 from hyper_adaptor.ops import grouped_gemm as gg

@@ -9,6 +9,7 @@ import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0: megatron imports 
 from hyper_adaptor.ops import rope
 from hyper_adaptor.patch_manager import PatchManager
 from hyper_adaptor.patches.fused import rope as rope_patch
+
 from megatron.core.models.common.embeddings import rope_utils
 
 # (rtol, atol) per dtype. fp32: the fused function reorders a few roundings; bf16: one bf16 ulp at |x|~4.

@@ -1,8 +1,6 @@
 """wgrad_accum (gradient accumulation fusion) against a plain reference, and inside megatron's linears."""
 
 import ast
-import os
-
 
 import pytest
 import torch
@@ -284,6 +282,7 @@ def test_out_of_memory_in_out_dtype_mm_propagates_and_is_retried(out_dtype_mm, m
 @pytest.fixture
 def world_of_one():
     import torch.distributed as dist
+
     from megatron.core import parallel_state as ps
 
     created = open_world_of_one()

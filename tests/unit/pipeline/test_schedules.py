@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from hyper_adaptor.parallel.pipeline.actions import MetaStep, MetaStepType as T, StageLayout
+from hyper_adaptor.parallel.pipeline.actions import MetaStep, StageLayout
+from hyper_adaptor.parallel.pipeline.actions import MetaStepType as T
 from hyper_adaptor.parallel.pipeline.schedules import build, forward_only, one_f_one_b, with_communication
 from hyper_adaptor.parallel.pipeline.timeline import render, simulate, theoretical_bubble
 from hyper_adaptor.parallel.pipeline.validate import ScheduleError, validate

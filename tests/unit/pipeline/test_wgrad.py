@@ -14,7 +14,11 @@ import torch
 
 from hyper_adaptor.parallel.pipeline import wgrad
 from hyper_adaptor.parallel.pipeline.wgrad import (
-    WeightGradQueue, defer_weight_grads, disable_weight_deferral, enable_weight_deferral)
+    WeightGradQueue,
+    defer_weight_grads,
+    disable_weight_deferral,
+    enable_weight_deferral,
+)
 
 SHAPES = [(7, 16), (3, 5, 16)]
 
