@@ -84,12 +84,13 @@ def _validate(adaptor, args, world: int | None, source: str) -> tuple[list[str],
     return adjustments, missing
 
 
-def describe(flags: list[str], out=sys.stdout) -> int:
+def describe(flags: list[str], out=None) -> int:
     """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core.
     Bad input: the message on stderr and SystemExit(2), as argparse."""
     from hyper_adaptor import megatron_adaptor, usage
     from hyper_adaptor.features import FEATURES, LEVEL_NAMES
 
+    out = out or sys.stdout
     adaptor = megatron_adaptor.ADAPTOR
     world, source, flags = _world_size(flags)
     args = _parse_megatron_flags(flags)

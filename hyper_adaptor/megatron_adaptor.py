@@ -236,8 +236,9 @@ def _bootstrap_or_exit() -> None:
 
     try:
         unread = environment.check()
+        # the same choice bootstrap makes, made first so that a bad one stops before megatron is imported
+        environment.check_for_device(platform.select_device_type(_preselected_device()))
         ADAPTOR.bootstrap()
-        environment.check_for_device(ADAPTOR.device_type)
     except (environment.EnvironmentConfigError, platform.DeviceChoiceError) as error:
         usage.fail(str(error))
     for message in unread:
