@@ -130,6 +130,17 @@ def _check_divisions(args, world, model: int, world_source: str) -> None:
     if groups and groups % tp and tp % groups:
         raise BadInput(f"argument {flag('num_query_groups')}: {groups} is neither a multiple nor a divisor of "
                        f"{flag('tensor_model_parallel_size')} {tp}")
+    ffn = getattr(args, "ffn_hidden_size", None)
+    if ffn and ffn % tp:
+        raise BadInput(f"argument {flag('ffn_hidden_size')}: {ffn} is not a multiple of "
+                       f"{flag('tensor_model_parallel_size')} {tp} (the MLP's columns are split over TP)")
+    seq = getattr(args, "seq_length", None)
+    if getattr(args, "sequence_parallel", False) and tp > 1 and seq and seq % tp:
+        raise BadInput(f"argument {flag('seq_length')}: {seq} is not a multiple of "
+                       f"{flag('tensor_model_parallel_size')} {tp}, which {flag('sequence_parallel')} splits it over")
+    experts, topk = getattr(args, "num_experts", None), getattr(args, "moe_router_topk", None)
+    if experts and topk and topk > experts:
+        raise BadInput(f"argument {flag('moe_router_topk')}: {topk} is more than {flag('num_experts')} {experts}")
     gbs, mbs = getattr(args, "global_batch_size", None), getattr(args, "micro_batch_size", None)
     if world and gbs and mbs and not getattr(args, "decrease_batch_size_if_needed", False):
         dp = world // model
