@@ -40,17 +40,13 @@ def _positive(text: str) -> int:
     return value
 
 
-def _world_size(flags: list[str]) -> tuple[int | None, str, list[str]]:
-    """(world size or None, where it came from, the flags left for megatron's parser)."""
-    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False,
-                                     usage="%(prog)s [--world-size N] [megatron and hyper_adaptor flags]")
-    parser.add_argument("--world-size", type=_positive, default=None)
-    known, rest = parser.parse_known_args(flags)
-    if known.world_size is not None:
-        return known.world_size, "--world-size", rest
+def _world_size(args) -> tuple[int | None, str]:
+    """(world size or None, where it came from)."""
+    if args.world_size is not None:
+        return args.world_size, "--world-size"
     if os.environ.get("WORLD_SIZE"):
-        return _positive(os.environ["WORLD_SIZE"]), "WORLD_SIZE", rest  # checked at import
-    return None, "", rest
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"  # checked at import (hyper_adaptor/environment.py)
+    return None, ""
 
 
 def _parse_megatron_flags(flags: list[str]):
@@ -58,6 +54,10 @@ def _parse_megatron_flags(flags: list[str]):
 
     parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False)
     add_megatron_arguments(parser)  # wrapped by the adaptor: adds --optimization-level and feature flags
+    parser.add_argument_group("describe").add_argument(
+        "--world-size", type=_positive, default=None, metavar="N",
+        help="the number of processes the checks assume (default: WORLD_SIZE, else the smallest world "
+             "the model-parallel sizes allow)")
     args, unknown = parser.parse_known_args(flags)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -70,6 +70,7 @@ def _validate(adaptor, args, world: int | None, source: str) -> tuple[list[str],
     applies no feature). Returns (adjustments, the model flags missing for megatron's checks)."""
     from hyper_adaptor import usage
 
+    args.world_size = None
     usage.check_ranges(args)  # the sizes must be numbers >= 1 before a world is assumed from them
     args.rank = 0
     args.world_size = world or usage.model_parallel_size(args)
@@ -92,15 +93,15 @@ def describe(flags: list[str], out=None) -> int:
 
     out = out or sys.stdout
     adaptor = megatron_adaptor.ADAPTOR
-    world, source, flags = _world_size(flags)
     args = _parse_megatron_flags(flags)
+    world, source = _world_size(args)
     try:
         adjustments, missing = _validate(adaptor, args, world, source)
     except Exception as error:
         message = usage.explain(error)
         if message is None:
             raise
-        if world is None and any(word in message for word in _ABOUT_WORLD):
+        if world is None and args.world_size and any(word in message for word in _ABOUT_WORLD):
             message += (f" [describe assumed a world size of {args.world_size}, the smallest the model-parallel "
                         f"sizes allow: pass --world-size N, or set WORLD_SIZE, for your run]")
         usage.fail(message, PROG)

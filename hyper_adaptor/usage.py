@@ -33,6 +33,13 @@ FEATURE = "input_checks"
 VALIDATE_ARGS = "megatron.training.arguments.validate_args"
 USAGE = "%(prog)s [megatron and hyper_adaptor flags] (--help lists them)"
 
+_BARE_PERCENT = re.compile(r"%(?!\(\w+\)[a-z])")  # every "%" but argparse's own %(name)s
+
+
+class _AnyKey(dict):
+    def __missing__(self, key):
+        return ""
+
 # dest -> the flag a user types, from the last parser megatron.training built (a dest's own spelling
 # differs for negated flags: --no-bias-swiglu-fusion sets bias_swiglu_fusion)
 _flags: dict[str, str] = {}
@@ -81,6 +88,12 @@ def on_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         long = [o for o in action.option_strings if o.startswith("--")]
         if long and action.dest not in _flags:
             _flags[action.dest] = long[0]
+        # argparse %-formats every help text: a bare "%" ("10%)" in a megatron 0.19 help) makes --help raise
+        if isinstance(action.help, str) and "%" in action.help:
+            try:
+                action.help % _AnyKey()
+            except (ValueError, TypeError):
+                action.help = _BARE_PERCENT.sub("%%", action.help)
     return parser
 
 
