@@ -94,8 +94,9 @@ def describe(flags: list[str], out=None) -> int:
     out = out or sys.stdout
     adaptor = megatron_adaptor.ADAPTOR
     args = _parse_megatron_flags(flags)
-    world, source = _world_size(args)
+    world = None
     try:
+        world, source = _world_size(args)
         adjustments, missing = _validate(adaptor, args, world, source)
     except Exception as error:
         message = usage.explain(error)
@@ -134,6 +135,8 @@ def describe(flags: list[str], out=None) -> int:
             problem = adaptor.manager.check(patch)
             missing += problem is not None
             mark = f"  MISSING: {problem}" if problem else ""
+            if patch.feature == usage.FEATURE:
+                mark += "  (outermost: bad input ends in one error naming the flag)"
             print(f"    {patch.kind:7s} {patch.target}{mark}", file=out)
 
     for feature in FEATURES:

@@ -40,6 +40,7 @@ class _AnyKey(dict):
     def __missing__(self, key):
         return ""
 
+
 # dest -> the flag a user types, from the last parser megatron.training built (a dest's own spelling
 # differs for negated flags: --no-bias-swiglu-fusion sets bias_swiglu_fusion)
 _flags: dict[str, str] = {}

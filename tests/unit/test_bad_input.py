@@ -124,6 +124,7 @@ BAD = [
     case("--fine-grained-activation-offloading", "--offload-modules", fixed_elsewhere=True),
     # environment variables describe reads when it runs
     case("--profile --profile-ranks 5", "--profile-ranks", env={"WORLD_SIZE": "4"}),
+    case("--tensor-model-parallel-size 2", "WORLD_SIZE", env={"WORLD_SIZE": "3"}),
 ]
 GOOD = [
     case("", ""),
@@ -176,11 +177,11 @@ def described():
     """{(flags, env): result} for every line of BAD and GOOD, from one process."""
     lines = [p.values[0] for p in BAD + GOOD]
     envs = [p.values[2] for p in BAD + GOOD]
-    result = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(list(zip(lines, envs))),
+    result = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(list(zip(lines, envs, strict=True))),
                             capture_output=True, text=True, timeout=300, env=_environment(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout.strip().splitlines()[-1])
-    return {(line, json.dumps(env)): r for line, env, r in zip(lines, envs, results)}
+    return {(line, json.dumps(env)): r for line, env, r in zip(lines, envs, results, strict=True)}
 
 
 def assert_refused(code, stdout: str, stderr: str, named: str) -> None:
@@ -230,7 +231,8 @@ IMPORT_LINE = [
     (("-m", "hyper_adaptor", "describe", "--device-type", "tpu"), {}, "--device-type"),
     (("-m", "hyper_adaptor", "describe"), {"HYPER_ADAPTOR_DEVICE": "tpu"}, "HYPER_ADAPTOR_DEVICE"),
     (("-m", "hyper_adaptor", "describe"), {"HYPER_ADAPTOR_OPS_BACKEND": "npu"}, "HYPER_ADAPTOR_OPS_BACKEND"),
-    (("-m", "hyper_adaptor", "describe"), {"HYPER_ADAPTOR_OPTIMIZATION_LEVEL": "9"}, "HYPER_ADAPTOR_OPTIMIZATION_LEVEL"),
+    (("-m", "hyper_adaptor", "describe"), {"HYPER_ADAPTOR_OPTIMIZATION_LEVEL": "9"},
+     "HYPER_ADAPTOR_OPTIMIZATION_LEVEL"),
     (("-m", "hyper_adaptor", "describe"), {"WORLD_SIZE": "abc"}, "WORLD_SIZE"),
     (("-c", "import torch, hyper_adaptor.megatron_adaptor", "--device-type", "CPU"), {}, "--device-type"),
     (("-c", "import torch, hyper_adaptor.megatron_adaptor"), {"HYPER_ADAPTOR_OPS_BACKEND": "bogus"},
@@ -249,7 +251,7 @@ def test_the_import_line_refuses_bad_variables_and_devices():
     """Exit status 2 and one paragraph, as argparse's, before megatron is imported."""
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(lambda run: _run(run[0], run[1]), IMPORT_LINE))
-    for (argv, env, named), result in zip(IMPORT_LINE, results):
+    for (argv, env, named), result in zip(IMPORT_LINE, results, strict=True):
         assert result.returncode == 2, (argv, env, result.stderr[-2000:])
         assert_refused(result.returncode, result.stdout, result.stderr, named)
         assert "megatron" not in result.stderr.lower(), result.stderr  # refused before it was imported
@@ -321,7 +323,8 @@ def test_a_training_script_refuses_the_same_lines():
     result = subprocess.run([sys.executable, "-c", SCRIPT_RUNNER], input=json.dumps(lines), capture_output=True,
                             text=True, timeout=300, env=_environment(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
-    for (flags, named), outcome in zip(SCRIPT_LINES, json.loads(result.stdout.strip().splitlines()[-1])):
+    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
+    for (flags, named), outcome in zip(SCRIPT_LINES, outcomes, strict=True):
         assert outcome["code"] == 2, (flags, outcome)
         assert_refused(outcome["code"], "", outcome["stderr"], named)
         assert "pretrain_gpt.py: error:" in outcome["stderr"]
