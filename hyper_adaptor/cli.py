@@ -1,39 +1,127 @@
 """``python -m hyper_adaptor describe [megatron flags]``: what would apply, and what it patches.
 
 ``describe`` parses the flags with megatron.training's own parser (so Megatron's flags are accepted
-as they are), runs the features' validation, and prints every feature with its level, whether it
-applies and why, and every target it patches — without training anything.
+as they are), runs the features' validation and megatron's own ``validate_args``, and prints every
+feature with its level, whether it applies and why, and every target it patches — without training
+anything, and without a process group. Bad input ends as a training run would end on it: one
+paragraph naming the flag, exit status 2 (hyper_adaptor/usage.py).
+
+Some checks depend on the number of processes (divisibility by the model-parallel sizes, the
+data-parallel size, ``--profile-ranks``, ``--hsdp-shard-size``): ``--world-size N`` or ``WORLD_SIZE``
+gives it; without either, describe assumes the smallest world the model-parallel sizes allow and
+says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import os
 import sys
+
+PROG = "hyper_adaptor describe"
+# megatron's validate_args refuses a namespace without these (so does a training run); describe
+# without them still lists the features, and says megatron's checks were not made
+MODEL_FLAGS = ("micro_batch_size", "num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings")
+WORLD_CHECKS = ("the world divisible by TP x PP x CP", "--global-batch-size by --micro-batch-size x the "
+                "data-parallel size", "--profile-ranks", "--hsdp-shard-size", "the pipeline's micro-batch count")
+_ABOUT_WORLD = ("world", "data-parallel", "data parallel", "--profile-ranks", "--hsdp-shard-size", "global batch",
+                "global_batch")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _world_size(args) -> tuple[int | None, str]:
+    """(world size or None, where it came from)."""
+    if args.world_size is not None:
+        return args.world_size, "--world-size"
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"]), "WORLD_SIZE"  # checked at import (hyper_adaptor/environment.py)
+    return None, ""
 
 
 def _parse_megatron_flags(flags: list[str]):
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = argparse.ArgumentParser(prog="hyper_adaptor describe", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False)
     add_megatron_arguments(parser)  # wrapped by the adaptor: adds --optimization-level and feature flags
+    parser.add_argument_group("describe").add_argument(
+        "--world-size", type=_positive, default=None, metavar="N",
+        help="the number of processes the checks assume (default: WORLD_SIZE, else the smallest world "
+             "the model-parallel sizes allow)")
     args, unknown = parser.parse_known_args(flags)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
 
-def describe(flags: list[str], out=sys.stdout) -> int:
-    """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core."""
-    from hyper_adaptor import megatron_adaptor
+def _validate(adaptor, args, world: int | None, source: str) -> tuple[list[str], list[str]]:
+    """The checks of a training run, in its order, on ``args``: the number ranges, the features'
+    adjust and validate, then megatron's validate_args (its own, not the adaptor's wrap: describe
+    applies no feature). Returns (adjustments, the model flags missing for megatron's checks)."""
+    from hyper_adaptor import usage
+
+    args.world_size = None
+    usage.check_ranges(args)  # the sizes must be numbers >= 1 before a world is assumed from them
+    args.rank = 0
+    args.world_size = world or usage.model_parallel_size(args)
+    args._is_global_batch_size_explicitly_specified = args.global_batch_size is not None
+    usage.check_ranges(args, source or "assumed")
+    adjustments = adaptor.prepare(args, say=False)
+    missing = [dest for dest in MODEL_FLAGS if getattr(args, dest, None) is None
+               and not (dest == "num_layers" and getattr(args, "encoder_num_layers", None) is not None)]
+    if not missing:
+        with contextlib.redirect_stdout(io.StringIO()):  # megatron prints every argument when done
+            adaptor.manager.original(usage.VALIDATE_ARGS)(args, {})
+    return adjustments, missing
+
+
+def describe(flags: list[str], out=None) -> int:
+    """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core.
+    Bad input: the message on stderr and SystemExit(2), as argparse."""
+    from hyper_adaptor import megatron_adaptor, usage
     from hyper_adaptor.features import FEATURES, LEVEL_NAMES
 
+    out = out or sys.stdout
     adaptor = megatron_adaptor.ADAPTOR
     args = _parse_megatron_flags(flags)
-    adjustments = adaptor.prepare(args, say=False)
+    world = None
+    try:
+        world, source = _world_size(args)
+        adjustments, missing = _validate(adaptor, args, world, source)
+    except Exception as error:
+        message = usage.explain(error)
+        if message is None:
+            raise
+        if world is None and args.world_size and any(word in message for word in _ABOUT_WORLD):
+            message += (f" [describe assumed a world size of {args.world_size}, the smallest the model-parallel "
+                        f"sizes allow: pass --world-size N, or set WORLD_SIZE, for your run]")
+        usage.fail(message, PROG)
     level = args.optimization_level
     print(f"hyper_adaptor on {adaptor.device_type} (backend {args.distributed_backend}), {adaptor.megatron}",
           file=out)
     print(f"--optimization-level {level} ({LEVEL_NAMES[level]})", file=out)
+    if world is None:
+        print(f"world size {args.world_size} assumed (TP x PP x CP, one data-parallel rank: no --world-size or "
+              f"WORLD_SIZE); the checks that depend on it ({', '.join(WORLD_CHECKS)}) were made for that size "
+              f"only", file=out)
+    else:
+        print(f"world size {world} ({source}), data-parallel size {world // usage.model_parallel_size(args)}",
+              file=out)
+    if missing:
+        print(f"megatron's own argument checks (validate_args): not made, they need "
+              f"{', '.join(usage.flag(dest) for dest in missing)} (so does a training run)", file=out)
+    else:
+        print("megatron's own argument checks (validate_args): passed", file=out)
     if adjustments:
         print("\nadjustments to megatron's arguments:", file=out)
         for message in adjustments:
@@ -47,6 +135,8 @@ def describe(flags: list[str], out=sys.stdout) -> int:
             problem = adaptor.manager.check(patch)
             missing += problem is not None
             mark = f"  MISSING: {problem}" if problem else ""
+            if patch.feature == usage.FEATURE:
+                mark += "  (outermost: bad input ends in one error naming the flag)"
             print(f"    {patch.kind:7s} {patch.target}{mark}", file=out)
 
     for feature in FEATURES:
@@ -60,7 +150,7 @@ def describe(flags: list[str], out=sys.stdout) -> int:
         else:
             show(feature.patches(args))
     print("\n[x] adaptor hooks (always)", file=out)
-    show([p for p in registered if p.feature == megatron_adaptor.FEATURE])
+    show([p for p in registered if p.feature in (megatron_adaptor.FEATURE, usage.FEATURE)])
     if adaptor.device_type == "npu":
         print("    (torch_npu.contrib.transfer_to_npu: torch_npu's own cuda -> npu mapping, applied at import)",
               file=out)
@@ -78,12 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     if command == "describe":
         # the device choice is made at import, from --device-type if present
         sys.argv = [sys.argv[0]] + rest
-        from hyper_adaptor.features import FeatureConfigError
-
-        try:
-            return describe(rest)
-        except FeatureConfigError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
+        return describe(rest)
     print(f"unknown command {command!r}; known: describe", file=sys.stderr)
     return 2

@@ -66,7 +66,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _with_adaptor_flags(original):
     @functools.wraps(original)
     def add_megatron_arguments(parser):
-        return _add_flags(original(parser))
+        return _short_usage(_add_flags(original(parser)))
 
     return add_megatron_arguments
 
@@ -224,4 +224,32 @@ def adapt(args):
     return args
 
 
-ADAPTOR.bootstrap()
+# ---------------------------------------------------------------- bad input at the import line and in the flags
+
+
+def _short_usage(parser):
+    from hyper_adaptor import usage
+
+    return usage.on_parser(parser)
+
+
+def _bootstrap_or_exit() -> None:
+    """A bad HYPER_ADAPTOR_* variable or --device-type ends the script here as argparse ends it for
+    a bad flag (one paragraph on stderr, exit status 2), before megatron is imported; then bad flags
+    and combinations found by the argument checks end it the same way (hyper_adaptor/usage.py)."""
+    from hyper_adaptor import environment, usage
+
+    try:
+        unread = environment.check()
+        # the same choice bootstrap makes, made first so that a bad one stops before megatron is imported
+        environment.check_for_device(platform.select_device_type(_preselected_device()))
+        ADAPTOR.bootstrap()
+    except (environment.EnvironmentConfigError, platform.DeviceChoiceError) as error:
+        usage.fail(str(error))
+    for message in unread:
+        notice(message)
+    ADAPTOR.manager.register(usage.patch(FEATURE))
+    ADAPTOR.manager.apply()
+
+
+_bootstrap_or_exit()

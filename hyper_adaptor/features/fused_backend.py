@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, Flag
+from hyper_adaptor import platform
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
 
 
 class FusedBackend(Feature):
@@ -20,6 +21,13 @@ class FusedBackend(Feature):
 
     def requested(self, args) -> bool:
         return getattr(args, "fused_backend", "auto") != "auto"
+
+    def validate(self, args) -> None:
+        device = platform.device_type()
+        if args.fused_backend == "npu" and device != "npu":
+            # every call would fall back, one notice per op: a forced choice that forces nothing
+            raise FeatureConfigError(f"--fused-backend npu: this process runs on {device}, which has no torch_npu "
+                                     f"kernels; use auto, fast or eager")
 
     def on_applied(self, args) -> None:
         from hyper_adaptor.ops import backend

@@ -38,6 +38,11 @@ def detect_device_type() -> str:
     return "cpu"
 
 
+class DeviceChoiceError(ValueError):
+    """The device asked for (``--device-type`` or HYPER_ADAPTOR_DEVICE) is unknown or not usable here;
+    the message names the flag or the variable it came from."""
+
+
 def select_device_type(requested: str | None = None) -> str:
     """Fix the device type for this process: ``requested`` ('auto' or None means detect).
 
@@ -45,17 +50,23 @@ def select_device_type(requested: str | None = None) -> str:
     launcher spawns (checkpoint writers, data workers) make the same choice as their parent.
     """
     global _selected
+    source = "argument --device-type" if requested else DEVICE_ENV
     choice = requested or os.environ.get(DEVICE_ENV) or "auto"
+    if choice not in ("auto",) + DEVICE_TYPES:
+        hint = "; they are lower case" if choice.lower() in DEVICE_TYPES else ""
+        raise DeviceChoiceError(
+            f"{source}: invalid choice: {choice!r} (choose from auto, {', '.join(DEVICE_TYPES)}{hint})"
+        )
     if choice == "auto":
         choice = detect_device_type()
-    if choice not in DEVICE_TYPES:
-        raise ValueError(
-            f"--device-type / {DEVICE_ENV} must be one of auto, {', '.join(DEVICE_TYPES)}; got {choice!r}"
-        )
+    asked = f"--device-type {choice}" if requested else f"{DEVICE_ENV}={choice}"
     if choice == "npu" and not npu_available():
-        raise RuntimeError("--device-type npu was requested but torch_npu is not installed or sees no NPU")
+        raise DeviceChoiceError(f"{asked} was requested but torch_npu is not installed or sees no NPU")
     if choice == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device-type cuda was requested but torch.cuda.is_available() is False")
+        raise DeviceChoiceError(
+            f"{asked} was requested but torch.cuda.is_available() is False "
+            f"(no CUDA build of torch, or no visible GPU); use cpu or auto"
+        )
     _selected = choice
     os.environ[DEVICE_ENV] = choice
     return choice
