@@ -12,8 +12,8 @@ gathers the names and allowed values from the layers that own them.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from hyper_adaptor import megatron_version, platform
 from hyper_adaptor.ops import backend

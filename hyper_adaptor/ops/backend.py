@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from hyper_adaptor.notice import notice as say
 
@@ -32,7 +33,7 @@ BACKEND_ENV = "HYPER_ADAPTOR_OPS_BACKEND"
 logger = logging.getLogger("hyper_adaptor.ops")
 _forced: str | None = None
 _noticed: set[tuple[str, str, str]] = set()
-OPS: dict[str, "Op"] = {}  # every op by name, for call counts and docs
+OPS: dict[str, Op] = {}  # every op by name, for call counts and docs
 # --deterministic-mode: set True by the determinism feature (a "replace" patch, so ``describe`` lists it
 # and undo puts False back). A backend whose kernel is not deterministic for a call is then skipped
 # (one notice naming the op), and an op left with none refuses the call (NondeterministicOpError).
@@ -136,7 +137,7 @@ def call_counts() -> dict[str, dict[str, int]]:
 def npu_module():
     """torch_npu, or None when it is not importable (this machine)."""
     try:
-        import torch_npu  # noqa: F401
+        import torch_npu
     except ImportError:
         return None
     return torch_npu

@@ -25,12 +25,10 @@ MODEL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 3
 L1 = ("--optimization-level", "1")
 # how argparse lists a flag in a usage line: present only when megatron's whole usage text is printed
 FULL_USAGE_MARK = "[--num-layers NUM_LAYERS]"
-OTHER_BRANCH = "fixed on branch wt-contract"
 
 
-def case(flags: str, named: str, *extra: str, env: dict | None = None, fixed_elsewhere: bool = False):
-    marks = [pytest.mark.xfail(strict=False, reason=OTHER_BRANCH)] if fixed_elsewhere else []
-    return pytest.param((*extra, *flags.split()), named, env or {}, marks=marks, id=flags or str(env))
+def case(flags: str, named: str, *extra: str, env: dict | None = None):
+    return pytest.param((*extra, *flags.split()), named, env or {}, id=flags or str(env))
 
 
 BAD = [
@@ -118,10 +116,10 @@ BAD = [
     case("--profile --profile-with-memory", "--profile-with-memory"),
     case("--use-hsdp --hsdp-threshold-kb -1", "--hsdp-threshold-kb"),
     case("--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 3", "--ulysses-degree-in-cp"),
-    case("--use-hsdp --hsdp-bucket-size-kb nan", "--hsdp-bucket-size-kb", fixed_elsewhere=True),
-    case("--use-hsdp --hsdp-bucket-size-kb inf", "--hsdp-bucket-size-kb", fixed_elsewhere=True),
-    case("--use-hsdp --hsdp-threshold-kb nan", "--hsdp-threshold-kb", fixed_elsewhere=True),
-    case("--fine-grained-activation-offloading", "--offload-modules", fixed_elsewhere=True),
+    case("--use-hsdp --hsdp-bucket-size-kb nan", "--hsdp-bucket-size-kb"),
+    case("--use-hsdp --hsdp-bucket-size-kb inf", "--hsdp-bucket-size-kb"),
+    case("--use-hsdp --hsdp-threshold-kb nan", "--hsdp-threshold-kb"),
+    case("--fine-grained-activation-offloading", "--offload-modules"),
     # environment variables describe reads when it runs
     case("--profile --profile-ranks 5", "--profile-ranks", env={"WORLD_SIZE": "4"}),
     case("--tensor-model-parallel-size 2", "WORLD_SIZE", env={"WORLD_SIZE": "3"}),
