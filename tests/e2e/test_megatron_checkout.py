@@ -17,11 +17,12 @@ from tests.megatron_trees import source_tree
 pytestmark = pytest.mark.e2e
 
 # What a checkout's megatron/core/datasets/Makefile does (written here, not copied): build the
-# pybind11 extension from helpers.cpp with the python3 found on PATH.
+# pybind11 extension from helpers.cpp with the headers of the python3 on PATH, named by the
+# python3-config on PATH (LIBEXT), which the adaptor overrides with this interpreter's suffix.
 MAKEFILE = """\
-EXT := $(shell python3 -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-helpers_cpp$(EXT): helpers.cpp
-\t$(CXX) -O3 -Wall -shared -std=c++11 -fPIC $(shell python3 -m pybind11 --includes) $< -o $@
+LIBEXT = $(shell python3-config --extension-suffix)
+helpers_cpp$(LIBEXT): helpers.cpp
+\t$(CXX) -O3 -Wall -shared -std=c++17 -fPIC $(shell python3 -m pybind11 --includes) $< -o $@
 """
 
 

@@ -3,6 +3,8 @@
 import argparse
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -274,6 +276,28 @@ def test_host_fork_warning_is_dropped_and_other_records_pass(caplog):
     assert messages == ["something else"]
 
 
+def test_megatron_builds_its_dataset_helpers_for_this_interpreter(monkeypatch):
+    """A checkout's Makefile names the helpers by the python3-config on PATH, another interpreter's in a
+    virtual environment or under a checkout's .python-version: the build gets this one's suffix and bin."""
+    import importlib.util
+    import os
+
+    from hyper_adaptor.patches.compat import megatron_training
+
+    seen = {}
+
+    def make():
+        seen.update(PATH=os.environ["PATH"], MAKEFLAGS=os.environ.get("MAKEFLAGS"))
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # the helpers are not built
+    monkeypatch.setenv("MAKEFLAGS", "-j2")
+    before = os.environ["PATH"]
+    megatron_training._build_for_this_interpreter(make)()
+    assert seen["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert seen["MAKEFLAGS"] == f"-j2 LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}"
+    assert os.environ["PATH"] == before and os.environ["MAKEFLAGS"] == "-j2"
+
+
 def test_unbuildable_dataset_helpers_are_said_before_megatron_tries(tmp_path, monkeypatch):
     """A checkout builds its dataset helpers with `python3 -m pybind11` from PATH at start-up; without
     pybind11 every rank would die in a compiler error / gloo cascade. validate says so first."""
@@ -292,11 +316,18 @@ def test_unbuildable_dataset_helpers_are_said_before_megatron_tries(tmp_path, mo
     problem = megatron_training.dataset_helpers_problem(datasets, str(no_pybind))
     assert f"`{no_pybind} -m pip install pybind11`" in problem and "No module named pybind11" in problem
     assert f"make -C {datasets}" in problem
-    (datasets / "helpers_cpp.cpython-311-x86_64-linux-gnu.so").write_text("")
+    # built for another Python (megatron's make followed a python3-config that is not this interpreter's)
+    other = datasets / "helpers_cpp.cpython-39-x86_64-linux-gnu.so"
+    other.write_text("")
+    problem = megatron_training.dataset_helpers_problem(datasets, str(no_pybind))
+    assert "built for another Python" in problem and other.name in problem and "remove them" in problem
+    other.unlink()
+    ours = datasets / f"helpers_cpp{sysconfig.get_config_var('EXT_SUFFIX')}"
+    ours.write_text("")
     assert megatron_training.dataset_helpers_problem(datasets, str(no_pybind)) is None
+    ours.unlink()
 
-    (datasets / "helpers_cpp.cpython-311-x86_64-linux-gnu.so").unlink()
     monkeypatch.setattr(megatron_training, "_datasets_dir", lambda: datasets)
-    monkeypatch.setenv("PATH", f"{no_pybind.parent}{__import__('os').pathsep}{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(megatron_training, "_python3_for_make", lambda: str(no_pybind))
     with pytest.raises(FeatureConfigError, match="pip install pybind11"):
         ADAPTOR.prepare(megatron_args())

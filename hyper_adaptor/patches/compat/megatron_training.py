@@ -9,8 +9,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 from pathlib import Path
 
 import torch
@@ -33,16 +36,41 @@ def _allow_host_only(original):
     return initialize
 
 
-def _skip_make_when_prebuilt(original):
-    """Rank 0 runs ``make`` to build the dataset helpers, but the megatron-core wheel ships them
-    prebuilt and no Makefile: building fails on every platform. Build only when they are missing."""
+def _python3_for_make() -> str | None:
+    """The ``python3`` megatron's make runs: this interpreter's own when its directory has one (put first
+    on PATH for the build, see :func:`_build_for_this_interpreter`), else the one on PATH."""
+    own = Path(sys.executable).parent / "python3"
+    return str(own) if own.exists() else shutil.which("python3")
+
+
+def _build_for_this_interpreter(original):
+    """Rank 0 runs ``make`` to build the dataset helpers. The megatron-core wheel ships them prebuilt and
+    no Makefile (building fails on every platform): build only when they are missing. A checkout's
+    Makefile names the library by the ``python3-config`` on PATH and takes the pybind11 headers from the
+    ``python3`` on PATH; in a virtual environment (no python3-config of its own) or a checkout whose
+    ``.python-version`` picks another pyenv Python, those are another interpreter's, and the library
+    built is one this Python cannot import. So make runs with this interpreter's directory first on PATH
+    and its extension suffix given as ``LIBEXT`` (a command-line variable through MAKEFLAGS, which
+    overrides the Makefile's own)."""
 
     @functools.wraps(original)
     def compile_helpers(*args, **kwargs):
         if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
             logger.info("megatron dataset helpers are prebuilt in the wheel; not running make")
             return None
-        return original(*args, **kwargs)
+        saved = {name: os.environ.get(name) for name in ("PATH", "MAKEFLAGS")}
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), saved["PATH"] or ""])
+        if suffix:
+            os.environ["MAKEFLAGS"] = " ".join(filter(None, [saved["MAKEFLAGS"], f"LIBEXT={suffix}"]))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     return compile_helpers
 
@@ -60,12 +88,23 @@ def dataset_helpers_problem(datasets_dir: Path | None = None, python3: str | Non
     ``python3`` on PATH. Without pybind11 there every rank dies: rank 0 with a compiler error, the
     others with a gloo "connection closed" cascade. Said here, on every rank, before megatron tries."""
     datasets_dir = datasets_dir or _datasets_dir()
-    if datasets_dir is None or any(datasets_dir.glob("helpers_cpp*.so")) or any(datasets_dir.glob("helpers_cpp*.pyd")):
+    if datasets_dir is None:
         return None
+    ours = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    if (datasets_dir / f"helpers_cpp{ours}").exists():
+        return None
+    others = sorted(p.name for p in datasets_dir.glob("helpers_cpp*") if p.suffix in (".so", ".pyd"))
+    if others and ours == ".so":  # an interpreter without a tagged suffix imports any of them
+        return None
+    if others:
+        return (f"megatron's dataset helpers in {datasets_dir} are built for another Python ({', '.join(others)}; "
+                f"this one imports helpers_cpp{ours}): megatron's make used a python3-config that is not this "
+                f"interpreter's (e.g. a .python-version file in the checkout picking another pyenv Python). Fix: "
+                f"remove them; megatron's start-up then builds them for this interpreter")
     where = f"megatron's dataset helpers ({datasets_dir}/helpers.cpp) are not built"
     if not (datasets_dir / "Makefile").is_file():
         return f"{where} and there is no Makefile to build them with; reinstall megatron-core or use a full checkout"
-    python3 = python3 or shutil.which("python3")
+    python3 = python3 or _python3_for_make()
     if python3 is None:
         return f"{where}, and megatron builds them with `python3 -m pybind11`, but there is no python3 on PATH"
     try:
@@ -126,7 +165,7 @@ def _host_generator_for_data_loader(original):
 
 def patches(device_type: str) -> list[Patch]:
     result = [
-        Patch("megatron.core.datasets.utils.compile_helpers", _skip_make_when_prebuilt, "wrap", FEATURE),
+        Patch("megatron.core.datasets.utils.compile_helpers", _build_for_this_interpreter, "wrap", FEATURE),
     ]
     if device_type == "cpu":
         result += [
