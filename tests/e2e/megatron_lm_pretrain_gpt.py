@@ -16,13 +16,13 @@ import os
 import sys
 from functools import partial
 
-import torch
+import torch  # noqa: F401  (the one line goes after torch, as in Megatron-LM's script)
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from examples.pretrain_gpt import train_valid_test_datasets_provider
+from examples.pretrain_gpt import loss_func, train_valid_test_datasets_provider
 
 from megatron.core import mpu
 from megatron.core.enums import ModelType
@@ -71,14 +71,6 @@ def get_batch(data_iterator, vp_stage=None):
     batch = flatten_batch_for_packed_sequences(batch)
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=get_context_parallel_group())
     return tuple(batch[k] for k in ("tokens", "labels", "loss_mask", "attention_mask", "position_ids"))
-
-
-def loss_func(loss_mask, output_tensor):
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 
 def forward_step(data_iterator, model):
