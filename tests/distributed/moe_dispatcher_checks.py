@@ -26,7 +26,9 @@ def full_weights() -> dict:
     gen = torch.Generator().manual_seed(SEED)
     return {"router": torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.5,
             "fc1": torch.randn(EXPERTS, FFN, HIDDEN, generator=gen) * 0.3,
-            "fc2": torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3}
+            "fc2": torch.randn(EXPERTS, HIDDEN, FFN, generator=gen) * 0.3,
+            "shared_fc1": torch.randn(FFN, HIDDEN, generator=gen) * 0.3,
+            "shared_fc2": torch.randn(HIDDEN, FFN, generator=gen) * 0.3}
 
 
 def chunk(index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +38,7 @@ def chunk(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(SEQ, MICRO, HIDDEN, generator=gen), torch.randn(SEQ, MICRO, HIDDEN, generator=gen)
 
 
-def _build(ep: int, tp: int, etp: int, dispatcher: str, grouped: bool):
+def _build(ep: int, tp: int, etp: int, dispatcher: str, grouped: bool, extra: dict):
     import torch.nn.functional as F
 
     from megatron.core import parallel_state as ps
@@ -47,7 +49,7 @@ def _build(ep: int, tp: int, etp: int, dispatcher: str, grouped: bool):
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    config = TransformerConfig(
+    settings = dict(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN, add_bias_linear=False,
         activation_func=F.gelu, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=FFN,
         moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
@@ -56,6 +58,7 @@ def _build(ep: int, tp: int, etp: int, dispatcher: str, grouped: bool):
         attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
+    config = TransformerConfig(**{**settings, **extra})
     spec = get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=grouped)
     layer = spec.submodules.mlp(config=config, layer_number=1)
     full = full_weights()
@@ -67,6 +70,10 @@ def _build(ep: int, tp: int, etp: int, dispatcher: str, grouped: bool):
             g = ep_rank * local + i
             expert.linear_fc1.weight.copy_(full["fc1"][g].chunk(etp, 0)[etp_rank])
             expert.linear_fc2.weight.copy_(full["fc2"][g].chunk(etp, 1)[etp_rank])
+        if layer.shared_experts is not None:  # tensor-parallel like a dense MLP
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            layer.shared_experts.linear_fc1.weight.copy_(full["shared_fc1"].chunk(tp, 0)[tp_rank])
+            layer.shared_experts.linear_fc2.weight.copy_(full["shared_fc2"].chunk(tp, 1)[tp_rank])
     return layer
 
 
@@ -97,13 +104,13 @@ def _expert_grads(layer, ep: int, etp: int) -> dict:
 
 
 def layout(rank: int, world_size: int, *, ep: int, tp: int = 1, etp: int = 1, dispatcher: str = "alltoall",
-           grouped: bool = False) -> dict:
+           grouped: bool = False, extra: dict | None = None) -> dict:
     from hyper_adaptor.ops import backend
 
     from megatron.core import parallel_state as ps
 
     before = sum(backend.call_counts().get("grouped_gemm", {}).values())
-    layer = _build(ep, tp, etp, dispatcher, grouped)
+    layer = _build(ep, tp, etp, dispatcher, grouped, extra or {})
     dp_rank, tp_rank = ps.get_data_parallel_rank(), ps.get_tensor_model_parallel_rank()
     loss, out, x_grad = _step(layer, dp_rank, tp, tp_rank)
     dist.all_reduce(loss)
@@ -118,13 +125,17 @@ def layout(rank: int, world_size: int, *, ep: int, tp: int = 1, etp: int = 1, di
     return result
 
 
-def reference(rank: int, world_size: int, chunks: int) -> dict:
-    """EP 1 / TP 1 in a world of one: per chunk its loss, output and input gradient, and every
-    weight's gradient of that chunk's loss alone."""
+def reference(rank: int, world_size: int, chunks: int, variants: dict) -> dict:
+    """EP 1 / TP 1 in a world of one, for each variant (extra config): per chunk its loss, output and
+    input gradient, and every expert's and the router's gradient of that chunk's loss alone."""
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    return {name: _reference(chunks, extra) for name, extra in variants.items()}
+
+
+def _reference(chunks: int, extra: dict) -> list:
     from megatron.core import parallel_state as ps
 
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    layer = _build(1, 1, 1, "alltoall", False)
+    layer = _build(1, 1, 1, "alltoall", False, extra)
     result = []
     for index in range(chunks):
         layer.zero_grad()
@@ -134,7 +145,7 @@ def reference(rank: int, world_size: int, chunks: int) -> dict:
         result.append({"loss": loss, "out": out, "x_grad": x_grad, "router_grad": layer.router.weight.grad.clone(),
                        "grads": experts})
     ps.destroy_model_parallel()
-    return {"chunks": result}
+    return result
 
 
 @contextlib.contextmanager

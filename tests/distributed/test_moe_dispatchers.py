@@ -2,12 +2,13 @@
 
 megatron's ``MoELayer`` (4 experts, top-2, aux-loss router; tests/distributed/moe_dispatcher_checks.py)
 with the ``alltoall`` and ``allgather`` dispatchers at EP 2 (2 ranks), EP 4 and EP 2 x TP 2 with
-sequence parallel and expert tensor parallel 1 and 2 (4 ranks), with ``--moe-grouped-gemm`` at level 0
-(the flag switched off, megatron's experts) and at level 1 (hyper_adaptor's grouped GEMM): the loss,
-every rank's output and input gradient, the router's and each expert's weight gradient equal the
-single-process layer's (EP 1, TP 1, the same weights, one call per data-parallel chunk) within 1e-5
-(fp32; only the order of sums differs). Without level 0's ``all_to_all_single`` wrap the all-to-all
-dispatcher dies in its first forward.
+sequence parallel and expert tensor parallel 1 and 2 (4 ranks), with token dropping and capacity
+padding, with a shared expert, sigmoid scores, the expert bias and the per-sequence aux loss, and with
+``--moe-grouped-gemm`` at level 0 (the flag switched off, megatron's experts) and at level 1
+(hyper_adaptor's grouped GEMM): the loss, every rank's output and input gradient, the router's and
+each expert's weight gradient equal the single-process layer's (EP 1, TP 1, the same weights, one call
+per data-parallel chunk) within 1e-5 (fp32; only the order of sums differs). Without level 0's
+``all_to_all_single`` wrap the all-to-all dispatcher dies in its first forward.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from hyper_adaptor.testing import run_world
+from tests.distributed.moe_dispatcher_checks import FFN
 
 pytestmark = pytest.mark.distributed
 
@@ -23,10 +25,25 @@ TARGET = "tests.distributed.moe_dispatcher_checks"
 RTOL = ATOL = 1e-5
 REFUSED = "all_to_all_single(): incompatible function arguments"
 
+# Extra TransformerConfig settings a run may name (as "variant"); the reference runs each.
+VARIANTS = {
+    "base": {},
+    # token dropping: capacity from each rank's own tokens, padded to it (the dispatcher's
+    # count-exchange path with a static output size)
+    "capacity": dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+    # a shared expert beside the routed ones, sigmoid scores with the aux-loss-free expert bias, and
+    # the per-sequence aux loss
+    "shared-sigmoid-seq-aux": dict(moe_shared_expert_intermediate_size=FFN, moe_router_score_function="sigmoid",
+                                   moe_router_enable_expert_bias=True, moe_router_load_balancing_type="seq_aux_loss"),
+}
+
 # Level-0 runs first, level-1 runs last: applied features stay applied in the worker processes.
 WORLD2 = {
     "ep2-alltoall": dict(ep=2),
     "ep2-allgather": dict(ep=2, dispatcher="allgather"),
+    "ep2-alltoall-capacity": dict(ep=2, variant="capacity"),
+    "ep2-alltoall-shared-sigmoid-seq-aux": dict(ep=2, variant="shared-sigmoid-seq-aux"),
+    "ep2-allgather-shared-sigmoid-seq-aux": dict(ep=2, dispatcher="allgather", variant="shared-sigmoid-seq-aux"),
     "ep2-alltoall-grouped-flag-level0": dict(ep=2, grouped=True, level=0),
     "ep2-alltoall-without-the-wrap": dict(ep=2, unfixed=True),
     "ep2-alltoall-grouped-level1": dict(ep=2, grouped=True, level=1),
@@ -35,9 +52,11 @@ WORLD2 = {
 WORLD4 = {
     "ep4-alltoall": dict(ep=4),
     "ep4-allgather": dict(ep=4, dispatcher="allgather"),
+    "ep4-alltoall-capacity": dict(ep=4, variant="capacity"),
     "ep2-tp2-etp2-alltoall": dict(ep=2, tp=2, etp=2),
     "ep2-tp2-etp1-alltoall": dict(ep=2, tp=2, etp=1),
     "ep2-tp2-etp2-allgather": dict(ep=2, tp=2, etp=2, dispatcher="allgather"),
+    "ep2-tp2-etp1-alltoall-shared-sigmoid-seq-aux": dict(ep=2, tp=2, etp=1, variant="shared-sigmoid-seq-aux"),
     "ep2-tp2-etp2-alltoall-grouped-level1": dict(ep=2, tp=2, etp=2, grouped=True, level=1),
 }
 GROUPED = {name for name, run in {**WORLD2, **WORLD4}.items() if run.get("level") == 1}
@@ -45,17 +64,23 @@ GROUPED = {name for name, run in {**WORLD2, **WORLD4}.items() if run.get("level"
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_world(1, f"{TARGET}:reference", timeout=200, chunks=4)[0]["chunks"]
+    return run_world(1, f"{TARGET}:reference", timeout=200, chunks=4, variants=VARIANTS)[0]
+
+
+def _sent(runs: dict) -> dict:
+    """The runs as the ranks take them: a variant's config as ``extra``."""
+    return {name: {**{k: v for k, v in run.items() if k != "variant"}, "extra": VARIANTS[run.get("variant", "base")]}
+            for name, run in runs.items()}
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_world(2, f"{TARGET}:layouts", timeout=300, runs=WORLD2)
+    return run_world(2, f"{TARGET}:layouts", timeout=300, runs=_sent(WORLD2))
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_world(4, f"{TARGET}:layouts", timeout=400, runs=WORLD4)
+    return run_world(4, f"{TARGET}:layouts", timeout=400, runs=_sent(WORLD4))
 
 
 def _totals(reference: list, chunks: int) -> dict:
@@ -100,7 +125,8 @@ def test_two_ranks_match_one_process(world2, reference, name):
     for rank, results in enumerate(world2):
         got = results[name]
         assert not isinstance(got, str), f"rank {rank}: {got[:400]}"
-        assert compare(got, reference, _chunks(2, WORLD2[name])) == [], (rank, name)
+        assert compare(got, reference[WORLD2[name].get("variant", "base")], _chunks(2, WORLD2[name])) == [], (
+            rank, name)
         assert got["experts"] == "SequentialMLP"
         assert (got["grouped_gemm_calls"] > 0) == (name in GROUPED), (rank, name, got["grouped_gemm_calls"])
 
@@ -110,7 +136,8 @@ def test_four_ranks_match_one_process(world4, reference, name):
     for rank, results in enumerate(world4):
         got = results[name]
         assert not isinstance(got, str), f"rank {rank}: {got[:400]}"
-        assert compare(got, reference, _chunks(4, WORLD4[name])) == [], (rank, name)
+        assert compare(got, reference[WORLD4[name].get("variant", "base")], _chunks(4, WORLD4[name])) == [], (
+            rank, name)
         # one local expert at EP 4: nothing to group, megatron's forward runs
         grouped = name in GROUPED and WORLD4[name]["ep"] < 4
         assert (got["grouped_gemm_calls"] > 0) == grouped, (rank, name, got["grouped_gemm_calls"])
@@ -126,4 +153,4 @@ def test_the_comparison_sees_one_wrong_expert_gradient(world2, reference):
     got = dict(world2[0]["ep2-alltoall"])
     key = next(iter(got["grads"]))
     got["grads"] = {**got["grads"], key: got["grads"][key] * 1.001}
-    assert [m for m in compare(got, reference, 2) if "gradient" in m]
+    assert [m for m in compare(got, reference["base"], 2) if "gradient" in m]
