@@ -154,3 +154,33 @@ def test_the_comparison_sees_one_wrong_expert_gradient(world2, reference):
     key = next(iter(got["grads"]))
     got["grads"] = {**got["grads"], key: got["grads"][key] * 1.001}
     assert [m for m in compare(got, reference["base"], 2) if "gradient" in m]
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "hccl"])
+def test_split_sizes_become_ints_on_gloo_only(monkeypatch, backend):
+    """The wrap alone: tensor split sizes on a gloo group go on as lists of ints; on other backends,
+    and for split sizes given as lists or numpy arrays, the call is handed on exactly as made."""
+    import numpy as np
+
+    from hyper_adaptor.patches.compat import gloo_collectives
+
+    monkeypatch.setattr(gloo_collectives.dist, "get_backend", lambda group=None: backend)
+    calls = []
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        calls.append((output_split_sizes, input_split_sizes, group, async_op))
+        return "work"
+
+    wrapped = gloo_collectives._split_sizes_as_ints(all_to_all_single)
+    out, inp = torch.empty(5, 3), torch.ones(4, 3)
+    received, sent = torch.tensor([2, 3]), torch.tensor([1, 3])
+    assert wrapped(out, inp, received, input_split_sizes=sent, group="g", async_op=True) == "work"
+    if backend == "gloo":
+        assert calls[-1] == ([2, 3], [1, 3], "g", True)
+        assert all(type(n) is int for n in calls[-1][0] + calls[-1][1])
+    else:
+        assert calls[-1][0] is received and calls[-1][1] is sent
+    for given in ([2, 3], np.array([2, 3]), None):
+        wrapped(out, inp, given, given)
+        assert calls[-1][0] is given and calls[-1][1] is given
