@@ -29,9 +29,13 @@ class Compat(Feature):
         return arguments.switch_unworkable_defaults(args, platform.device_type())
 
     def validate(self, args) -> None:
-        from hyper_adaptor.patches.compat import megatron_training
+        from hyper_adaptor.patches.compat import megatron_training, moe_dispatchers
 
         problem = megatron_training.dataset_helpers_problem()
+        if problem:
+            raise FeatureConfigError(problem)
+        # megatron's flex MoE dispatcher: its CUDA backend, before megatron builds a model without it
+        problem = moe_dispatchers.flex_backend_problem(args, platform.device_type())
         if problem:
             raise FeatureConfigError(problem)
 

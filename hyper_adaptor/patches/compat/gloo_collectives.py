@@ -8,7 +8,11 @@ only the concatenation: the same number of dimensions and the same trailing ones
 failed on CPU with "ProcessGroupGloo::allgather: invalid tensor size". gloo's list all-gather likewise
 wants every rank's tensor in one shape, while megatron's ``_gather_along_first_dim`` with
 ``output_split_sizes`` (``gather_from_sequence_parallel_region``, which the MoE all-to-all dispatcher
-uses with expert tensor parallelism) gathers uneven row counts.
+uses with expert tensor parallelism) gathers uneven row counts. And torch's binding of
+``all_to_all_single`` takes split sizes only as a sequence of Python ints, while megatron's MoE
+all-to-all token dispatcher hands over its per-rank token counts as tensors: it turns them into
+numpy arrays (which the binding takes) only for tensors on a CUDA device (``is_cuda``), so on the
+host the first forward died with "all_to_all_single(): incompatible function arguments".
 
 The seam is torch's public entry points, not megatron's functions: the shape contract is torch's,
 several megatron modules bind ``dist_all_gather_func`` by value at import (the patch manager rebinds
@@ -21,7 +25,9 @@ refuses; the shape test comes first, so the calls gloo takes pay for one compari
 * single-tensor gather / scatter: the same call on flat views of both tensors (views, not copies, for
   contiguous tensors), which is byte for byte the result NCCL gives, and the same work handle;
 * uneven list all-gather: one broadcast from each rank straight into its slot of the output; with
-  ``async_op=True`` the caller gets one handle whose ``wait()`` waits for them all.
+  ``async_op=True`` the caller gets one handle whose ``wait()`` waits for them all;
+* ``all_to_all_single`` with split sizes in a tensor: the same call with them as a list of ints, the
+  values the CUDA path reads out of its numpy copy.
 
 Installed with the rest of the CPU patches (``torch_cpu.torch_patches``): gloo is the CPU backend.
 """
@@ -150,6 +156,25 @@ def _gather_by_broadcasts(outputs, tensor, group, async_op):
     return None
 
 
+def _split_sizes_as_ints(original):
+    """Wrap ``all_to_all_single``: split sizes given as a tensor go on as a list of Python ints."""
+    signature = inspect.signature(original)
+    names = ("output_split_sizes", "input_split_sizes")
+
+    @functools.wraps(original)
+    def all_to_all_single(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        sizes = [bound.arguments.get(name) for name in names]
+        if any(isinstance(size, torch.Tensor) for size in sizes) and \
+                _on_gloo(bound.arguments["output"], bound.arguments.get("group")):
+            for name, size in zip(names, sizes):
+                if isinstance(size, torch.Tensor):
+                    bound.arguments[name] = [int(n) for n in size.reshape(-1).tolist()]
+        return original(*bound.args, **bound.kwargs)
+
+    return all_to_all_single
+
+
 def patches() -> list[Patch]:
     """The gloo shape fixes, for the names this torch has."""
     result = [Patch(f"torch.distributed.{name}", _flat_on_gloo(True), "wrap", FEATURE)
@@ -157,4 +182,5 @@ def patches() -> list[Patch]:
     result += [Patch(f"torch.distributed.{name}", _flat_on_gloo(False), "wrap", FEATURE)
                for name in SCATTERS if hasattr(dist, name)]
     result.append(Patch("torch.distributed.all_gather", _uneven_on_gloo, "wrap", FEATURE))
+    result.append(Patch("torch.distributed.all_to_all_single", _split_sizes_as_ints, "wrap", FEATURE))
     return result
