@@ -1,5 +1,6 @@
-"""Reading torch's allocator history (``torch.cuda.memory._snapshot()``'s device traces): what was alive
-at the peak, and which source line allocated it. bench/peak_trace.py records the history on a GPU."""
+"""Reading a device allocator's history (the event list of torch's memory snapshot, as plain dicts): what
+was alive at the peak, and which source line allocated it. This module only reads the events; recording
+them is device code and stays in bench/peak_trace.py, which runs on a GPU."""
 
 from __future__ import annotations
 
