@@ -91,11 +91,11 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     ).build()
 
 
-def main():
+def main(forward_step_func=forward_step):
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
     cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     train_valid_test_datasets_provider.is_distributed = True
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step_func)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from examples.pretrain_gpt import loss_func, train_valid_test_datasets_provider
+from examples.pretrain_gpt import loss_func, main
 
 from megatron.core import mpu
-from megatron.core.enums import ModelType
 from megatron.core.parallel_state import get_context_parallel_group
 from megatron.core.utils import (
     flatten_batch_for_packed_sequences,
@@ -33,9 +32,7 @@ from megatron.core.utils import (
     get_batch_on_this_cp_rank,
     get_batch_on_this_tp_rank,
 )
-from megatron.training import get_args, pretrain
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
+from megatron.training import get_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
 
 FIELDS = ("attention_mask", "cu_seqlens", "cu_seqlens_padded", "labels", "loss_mask", "max_seqlen",
@@ -80,12 +77,5 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, loss_mask)
 
 
-def main():
-    args = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    cfg = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    train_valid_test_datasets_provider.is_distributed = True
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
-
-
 if __name__ == "__main__":
-    main()
+    main(forward_step)
