@@ -30,4 +30,5 @@ from hyper_adaptor.parallel.expert._permute import (
 )
 
 __all__ = ["DROP_POLICIES", "PendingExchange", "Permutation", "all_to_all", "all_to_all_async", "capacity",
-           "capacity_mask", "chunk_order", "exchange_counts", "experts_per_rank", "permute", "reorder", "send_splits", "unpermute"]
+           "capacity_mask", "chunk_order", "exchange_counts", "experts_per_rank", "permute", "reorder", "send_splits",
+           "unpermute"]
