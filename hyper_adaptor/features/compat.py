@@ -45,6 +45,7 @@ class Compat(Feature):
         from hyper_adaptor.patches.compat import (
             backends,
             fusion_switches,
+            gloo_collectives,
             megatron_core,
             megatron_training,
             te_spec,
@@ -53,6 +54,8 @@ class Compat(Feature):
 
         dev = platform.device_type()
         result = torch_cpu.torch_patches() if dev == "cpu" else []
+        if dev not in ("cpu", "cuda"):  # megatron hands a2a split sizes as tensors off CUDA (gloo_collectives.py)
+            result += gloo_collectives.split_size_patches()
         return (
             result + backends.patches(dev) + fusion_switches.patches() + megatron_core.patches(dev)
             + megatron_training.patches(dev) + te_spec.patches()

@@ -157,9 +157,10 @@ def test_the_comparison_sees_one_wrong_expert_gradient(world2, reference):
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl", "hccl"])
-def test_split_sizes_become_ints_on_gloo_only(monkeypatch, backend):
-    """The wrap alone: tensor split sizes on a gloo group go on as lists of ints; on other backends,
-    and for split sizes given as lists or numpy arrays, the call is handed on exactly as made."""
+def test_tensor_split_sizes_become_ints_on_every_backend(monkeypatch, backend):
+    """The wrap alone: tensor split sizes go on as lists of ints whatever the group's backend (torch's
+    binding refuses a tensor on each); split sizes given as lists or numpy arrays, and calls without
+    split sizes, are handed on exactly as made."""
     import numpy as np
 
     from hyper_adaptor.patches.compat import gloo_collectives
@@ -176,11 +177,21 @@ def test_split_sizes_become_ints_on_gloo_only(monkeypatch, backend):
     out, inp = torch.empty(5, 3), torch.ones(4, 3)
     received, sent = torch.tensor([2, 3]), torch.tensor([1, 3])
     assert wrapped(out, inp, received, input_split_sizes=sent, group="g", async_op=True) == "work"
-    if backend == "gloo":
-        assert calls[-1] == ([2, 3], [1, 3], "g", True)
-        assert all(type(n) is int for n in calls[-1][0] + calls[-1][1])
-    else:
-        assert calls[-1][0] is received and calls[-1][1] is sent
+    assert calls[-1] == ([2, 3], [1, 3], "g", True)
+    assert all(type(n) is int for n in calls[-1][0] + calls[-1][1])
     for given in ([2, 3], np.array([2, 3]), None):
         wrapped(out, inp, given, given)
         assert calls[-1][0] is given and calls[-1][1] is given
+
+
+@pytest.mark.parametrize("device", ["cpu", "npu", "cuda"])
+def test_the_split_size_wrap_is_installed_on_every_device_but_cuda(monkeypatch, device):
+    """megatron converts the split sizes itself only for CUDA tensors (``is_cuda``); an NPU tensor
+    answers False, so level 0 wraps ``all_to_all_single`` there as on the host."""
+    import hyper_adaptor.megatron_adaptor  # noqa: F401  (megatron importable: the patches resolve in it)
+    from hyper_adaptor import platform
+    from hyper_adaptor.features.compat import Compat
+
+    monkeypatch.setattr(platform, "device_type", lambda: device)
+    targets = [p.target for p in Compat().patches(None)]
+    assert (targets.count("torch.distributed.all_to_all_single") == 1) == (device != "cuda"), targets

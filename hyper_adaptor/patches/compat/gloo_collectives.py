@@ -27,7 +27,11 @@ refuses; the shape test comes first, so the calls gloo takes pay for one compari
 * uneven list all-gather: one broadcast from each rank straight into its slot of the output; with
   ``async_op=True`` the caller gets one handle whose ``wait()`` waits for them all;
 * ``all_to_all_single`` with split sizes in a tensor: the same call with them as a list of ints, the
-  values the CUDA path reads out of its numpy copy.
+  values the CUDA path reads out of its numpy copy. This one is not about gloo: the binding refuses a
+  tensor on every backend, and megatron's conversion asks ``is_cuda``, which an Ascend NPU tensor
+  answers False, so the wrap (``split_size_patches``) is installed on every device but CUDA; reading
+  the sizes synchronises with the device, where megatron's CUDA path synchronises too (its dtoh event).
+  Written against torch_npu's documented behaviour and not run on an NPU (none here).
 
 Installed with the rest of the CPU patches (``torch_cpu.torch_patches``): gloo is the CPU backend.
 """
@@ -165,8 +169,7 @@ def _split_sizes_as_ints(original):
     def all_to_all_single(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         sizes = [bound.arguments.get(name) for name in names]
-        if any(isinstance(size, torch.Tensor) for size in sizes) and \
-                _on_gloo(bound.arguments["output"], bound.arguments.get("group")):
+        if any(isinstance(size, torch.Tensor) for size in sizes):
             for name, size in zip(names, sizes):
                 if isinstance(size, torch.Tensor):
                     bound.arguments[name] = [int(n) for n in size.reshape(-1).tolist()]
@@ -182,5 +185,10 @@ def patches() -> list[Patch]:
     result += [Patch(f"torch.distributed.{name}", _flat_on_gloo(False), "wrap", FEATURE)
                for name in SCATTERS if hasattr(dist, name)]
     result.append(Patch("torch.distributed.all_gather", _uneven_on_gloo, "wrap", FEATURE))
-    result.append(Patch("torch.distributed.all_to_all_single", _split_sizes_as_ints, "wrap", FEATURE))
-    return result
+    return result + split_size_patches()
+
+
+def split_size_patches() -> list[Patch]:
+    """``all_to_all_single`` with tensor split sizes, for every device whose tensors megatron does not
+    convert itself (all but CUDA)."""
+    return [Patch("torch.distributed.all_to_all_single", _split_sizes_as_ints, "wrap", FEATURE)]
