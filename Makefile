@@ -44,7 +44,7 @@ lint: $(STAMP)
 
 # The whole suite (unit, distributed parity, end to end), after the linter.
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
 
 # Without the end-to-end torchrun runs.
 test-fast: lint
