@@ -45,6 +45,15 @@ def test_cuda_namespace_answers_as_one_host_device():
     assert torch.cuda.max_memory_allocated() >= torch.cuda.memory_allocated() > 0
 
 
+def test_record_stream_on_the_host_stream_is_a_no_op():
+    """megatron's schedule nodes (--overlap-moe-expert-parallel-comm's combined 1F1B) record their freed
+    inputs on the node's stream; torch's binding refuses the host's stand-in stream."""
+    t = torch.ones(3)
+    assert t.record_stream(torch.cuda.Stream()) is None and t.record_stream(torch.cuda.current_stream()) is None
+    with pytest.raises(RuntimeError, match="unknown parameter type"):  # what megatron hit unpatched
+        original("torch.Tensor.record_stream")(t, torch.cuda.current_stream())
+
+
 def test_cuda_rng_is_the_host_generator_and_really_changes():
     torch.cuda.manual_seed(7)
     state = torch.cuda.get_rng_state()

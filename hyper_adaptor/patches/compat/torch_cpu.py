@@ -86,6 +86,21 @@ def _tensor_pin_memory(self, *args, **kwargs):
     return self
 
 
+def _tensor_record_stream(original):
+    """``Tensor.record_stream(stream)`` tells the CUDA caching allocator that another stream still reads
+    the tensor; torch's binding refuses the host's stand-in stream ("unknown parameter type"), which
+    megatron's schedule nodes (``--overlap-moe-expert-parallel-comm``) hand it. On the host every
+    stream's work has run when the call returns, so there is nothing to record."""
+
+    @functools.wraps(original)
+    def record_stream(self, stream):
+        if isinstance(stream, HostStream):
+            return None
+        return original(self, stream)
+
+    return record_stream
+
+
 _HOST_STREAM = platform.HOST_STREAM
 HostEvent, HostStream = platform.HostEvent, platform.HostStream
 
@@ -218,6 +233,7 @@ def torch_patches() -> list[Patch]:
         Patch("torch.Tensor.to", _tensor_to, "wrap", FEATURE, rebind_in=no_rebind),
         Patch("torch.Tensor.cuda", _tensor_cuda, "replace", FEATURE, rebind_in=no_rebind),
         Patch("torch.Tensor.pin_memory", _tensor_pin_memory, "replace", FEATURE, rebind_in=no_rebind),
+        Patch("torch.Tensor.record_stream", _tensor_record_stream, "wrap", FEATURE, rebind_in=no_rebind),
         Patch("torch.Tensor.type", _tensor_type, "replace", FEATURE, rebind_in=no_rebind),
         # megatron.training asserts this CUDA launch-queue setting for TP / CP on pre-Blackwell
         # devices (compute capability < 10, which the host reports); on the host it means nothing.
