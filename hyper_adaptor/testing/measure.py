@@ -61,7 +61,11 @@ def _p2p_sent(a, n, r):
 
 def _a2a_single_sent(a, n, r):
     split, total = a.get("input_split_sizes"), nbytes(a["input"])
-    return total - total * split[r] // sum(split) if split else total * (n - 1) // n
+    if split is None or len(split) == 0:
+        return total * (n - 1) // n
+    # a list, or (as megatron's MoE dispatcher hands them) a tensor or numpy array of counts
+    split = [int(s) for s in (split.tolist() if hasattr(split, "tolist") else split)]
+    return total - total * split[r] // sum(split) if sum(split) else 0
 
 
 # Two conventions, each ``name -> bytes(bound arguments, group size n, rank in group r)``.

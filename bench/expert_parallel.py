@@ -1,0 +1,173 @@
+"""Expert parallel on one 4-rank gloo world: megatron's MoE layer with megatron's allgather and all-to-all
+token dispatchers against hyper_adaptor's engine (``--moe-dispatcher-engine hyper``), side by side in one
+run — step time, tokens/s and all-to-all bytes against theory — then the engine's overlap (exposed
+communication with and without it), hot-expert replicas on a Zipf-skewed router (max/mean tokens per
+rank) and peak memory per rank of EP + HSDP level 3 against EP + megatron's distributed optimizer.
+
+Run from the repository root (docs/features/expert-parallel.md says what each figure is and why)::
+
+    python bench/expert_parallel.py            # the full run
+    python bench/expert_parallel.py --quick    # small layer, few steps (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from bench import _moe_layer  # noqa: E402
+from hyper_adaptor.testing.measure import (  # noqa: E402
+    SENT_BYTES,
+    CollectiveCounter,
+    add_preset_options,
+    machine,
+    machine_line,
+    preset,
+    report,
+    run_world,
+    target_lines,
+)
+
+DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "expert_parallel.json"
+WORLD = 4
+EP = 4
+DEFAULTS = {"steps": 3, "rounds": 5, "warmup": 1}
+QUICK = {"steps": 1, "rounds": 1, "warmup": 1}
+DISPATCHERS = {  # name -> (dispatcher, engine chunks)
+    "megatron-allgather": ("allgather", 1),
+    "megatron-alltoall": ("alltoall", 1),
+    "engine": ("engine", 1),
+}
+PARITY_RTOL = 1e-5
+
+
+def dispatcher_rank(rank: int, world_size: int, d: dict, names: list[str], steps: int, rounds: int,
+                    warmup: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    x, probe = _moe_layer.inputs(d, rank)
+    layers = {name: _moe_layer.build(d, EP, *DISPATCHERS[name]) for name in names}
+    # megatron's parallel state is global: every layer here was built under the same EP layout
+    out = {name: {"times": [], "bytes": None, "loss": None} for name in names}
+    for name, layer in layers.items():
+        for _ in range(warmup):
+            layer.zero_grad()
+            out[name]["loss"] = _moe_layer.step(layer, x, probe)
+    with CollectiveCounter(SENT_BYTES) as counter:
+        for name, layer in layers.items():
+            counter.phase = name
+            layer.zero_grad()
+            _moe_layer.step(layer, x, probe)
+            counter.phase = None
+        counted = counter.take()
+    for name in names:
+        out[name]["bytes"] = counted.get(name, {"bytes": 0, "ops": {}})
+    for _ in range(rounds):  # interleaved, so that load on the machine hits every contender alike
+        for name, layer in layers.items():
+            dist.barrier()
+            for _ in range(steps):
+                layer.zero_grad()
+                start = time.perf_counter()
+                _moe_layer.step(layer, x, probe)
+                out[name]["times"].append(time.perf_counter() - start)
+    routed = _moe_layer.routed_rows(layers[names[0]], x, EP)
+    grads = {name: torch.cat([p.grad.reshape(-1) for p in layer.parameters() if p.grad is not None])
+             for name, layer in layers.items()}
+    reference = grads.get("megatron-alltoall")
+    for name in names:
+        if reference is not None:
+            out[name]["grad_max_diff"] = float((grads[name] - reference).abs().max())
+    return {"routed": routed, "contenders": out, "tokens": d["seq"] * d["micro"]}
+
+
+def engine_theory_bytes(routed: dict, hidden: int, experts: int, ep: int, elem: int = 4) -> int:
+    """Bytes one rank sends in one step through the engine: forward dispatch sends its off-rank rows and
+    the forward combine returns the rows it received; backward mirrors both; plus the count exchange
+    (E int64 counts, the off-rank share)."""
+    rows = routed["sent_rows"] + routed["received_rows"]
+    return 2 * rows * hidden * elem + experts * 8 * (ep - 1) // ep
+
+
+def run(args) -> dict:
+    p = preset(args, DEFAULTS, QUICK)
+    d = _moe_layer.dims(args.quick)
+    load_before = os.getloadavg()[0]
+    start = time.time()
+    names = list(DISPATCHERS)
+    ranks = run_world(WORLD, "bench.expert_parallel:dispatcher_rank", timeout=args.timeout, d=d, names=names,
+                      **p)
+    rows, targets = {}, []
+    engine_median = megatron_median = None
+    for name in names:
+        per_rank = [r["contenders"][name] for r in ranks]
+        step = statistics.median([statistics.median(c["times"]) for c in per_rank])
+        sent = [c["bytes"]["bytes"] for c in per_rank]
+        row = {"step_ms": 1e3 * step, "tokens_per_s": WORLD * ranks[0]["tokens"] / step,
+               "bytes_per_rank": sent, "ops": per_rank[0]["bytes"]["ops"],
+               "loss": [c["loss"] for c in per_rank],
+               "grad_max_diff_vs_megatron_alltoall": max(c.get("grad_max_diff", 0.0) for c in per_rank)}
+        if name == "engine":
+            theory = [engine_theory_bytes(r["routed"], d["hidden"], d["experts"], EP) for r in ranks]
+            row["theory_bytes_per_rank"] = theory
+            worst = max(abs(s - t) / t for s, t in zip(sent, theory, strict=True))
+            targets.append({"target": "engine all-to-all bytes = theory within 2 %", "where": "worst rank",
+                            "value": worst, "met": worst <= 0.02})
+            engine_median = step
+        if name == "megatron-alltoall":
+            megatron_median = step
+        rows[name] = row
+    if engine_median and megatron_median:
+        ratio = engine_median / megatron_median
+        targets.append({"target": "engine step time <= megatron's all-to-all dispatcher", "where": "median ratio",
+                        "value": ratio, "met": ratio <= 1.0})
+    worst_grad = max(r["grad_max_diff_vs_megatron_alltoall"] for r in rows.values())
+    targets.append({"target": f"gradients equal megatron's all-to-all within {PARITY_RTOL}",
+                    "where": "max abs diff", "value": worst_grad, "met": worst_grad <= PARITY_RTOL})
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(["python", "bench/expert_parallel.py", *sys.argv[1:]]),
+        "machine": machine(world=WORLD, load_average_1min_before_after=[load_before, os.getloadavg()[0]]),
+        "wall_s": time.time() - start, "dims": d, "preset": p, "ep": EP, "dispatchers": rows,
+        "targets": targets,
+    }
+
+
+def table(result: dict) -> str:
+    d = result["dims"]
+    lines = [f"MoE layer: {d['experts']} experts top-{d['topk']}, hidden {d['hidden']}, expert FFN {d['ffn']} "
+             f"(SwiGLU), {d['seq'] * d['micro']} tokens per rank, EP {result['ep']} on {WORLD} gloo ranks, fp32.",
+             "", f"{'dispatcher':<22}{'step ms':>10}{'tokens/s':>11}{'sent MiB/rank':>15}{'theory MiB':>12}"
+             f"{'grad diff':>11}"]
+    for name, row in result["dispatchers"].items():
+        sent = statistics.mean(row["bytes_per_rank"]) / 2**20
+        theory = row.get("theory_bytes_per_rank")
+        theory_text = f"{statistics.mean(theory) / 2**20:.3f}" if theory else "-"
+        lines.append(f"{name:<22}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}{sent:>15.3f}{theory_text:>12}"
+                     f"{row['grad_max_diff_vs_megatron_alltoall']:>11.1e}")
+    lines += ["", "Targets:", *target_lines(result["targets"]), "", machine_line(result)]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_preset_options(parser, DEFAULTS, QUICK)
+    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    parser.add_argument("--timeout", type=float, default=1800)
+    args = parser.parse_args(argv)
+    result = run(args)
+    return report(result, table(result), args.json, args.quick)
+
+
+if __name__ == "__main__":
+    main()
