@@ -35,6 +35,19 @@ def test_bytes_helpers():
     assert quick_json("bench/results/hsdp.json", False).name == "hsdp.json"
 
 
+def test_all_to_all_single_sent_bytes_take_split_sizes_in_every_form():
+    """megatron's MoE dispatcher hands its split sizes as tensors (numpy on CUDA); what a rank sends is
+    its input less the block it keeps."""
+    import numpy as np
+
+    sent = SENT_BYTES["all_to_all_single"]
+    x = torch.zeros(10, 2)  # 80 bytes, rows split 1 / 3 / 6 over ranks 0-2
+    for split in ([1, 3, 6], torch.tensor([1, 3, 6]), np.array([1, 3, 6])):
+        assert sent({"input": x, "input_split_sizes": split}, 3, 1) == 80 - 24
+    assert sent({"input": x, "input_split_sizes": None}, 2, 0) == 40
+    assert sent({"input": torch.zeros(0, 2), "input_split_sizes": [0, 0]}, 2, 0) == 0
+
+
 def test_allocate_free_allocate_peaks_at_the_larger():
     with PeakMemory("cpu") as measured:
         a = block(MB)
