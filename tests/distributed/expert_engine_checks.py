@@ -27,13 +27,34 @@ VARIANTS = {
 }
 
 
-def build(variant: str):
+def build(variant: str, **groups):
     from hyper_adaptor.parallel.expert import MoE
 
     torch.manual_seed(SEED)
     opts = dict(shared_ffn=SHARED, aux_loss_coeff=0.01, activation="swiglu")
     opts.update(VARIANTS[variant])
-    return MoE(HIDDEN, FFN, EXPERTS, TOPK, **opts)
+    return MoE(HIDDEN, FFN, EXPERTS, TOPK, **opts, **groups)
+
+
+def built_sharded(mesh, layout: dict):
+    """The block built with its process groups (only the local experts allocated), then loaded with
+    the matching slices of the full block's weights."""
+    variant = layout.get("variant", "base")
+    ep_group = mesh["ep"].get_group() if mesh.ndim == 2 else mesh.get_group()
+    etp_group = mesh["tp"].get_group() if layout.get("etp") else None
+    model = build(variant, ep_group=ep_group, etp_group=etp_group, placement=layout.get("placement"))
+    full = dict(build(variant).named_parameters())
+    experts = model.experts
+    shard = dist.get_rank(etp_group) if etp_group is not None else 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = full[name]
+            if name.startswith("experts."):
+                dim = 2 if name.endswith("w_down") else 1
+                source = source[experts.first_expert:experts.first_expert + experts.num_experts]
+                source = source.narrow(dim, shard * experts.ffn, experts.ffn)
+            param.copy_(source)
+    return model
 
 
 def batch(world: int):
@@ -78,9 +99,12 @@ def one_layout(rank: int, world: int, layout: dict) -> dict:
     from hyper_adaptor.parallel.expert import ExpertParallel, ExpertTensorParallel
 
     mesh = _mesh(layout)
-    model = build(layout.get("variant", "base"))
-    style_cls = ExpertTensorParallel if layout.get("etp") else ExpertParallel
-    parallelize_module(model, mesh, style_cls(placement=layout.get("placement")))
+    if layout.get("built_sharded"):
+        model = built_sharded(mesh, layout)
+    else:
+        model = build(layout.get("variant", "base"))
+        style_cls = ExpertTensorParallel if layout.get("etp") else ExpertParallel
+        parallelize_module(model, mesh, style_cls(placement=layout.get("placement")))
     tokens, weights = batch(world)
     x = tokens[rank].clone().requires_grad_()
     out, aux = model(x, return_aux_loss=True)

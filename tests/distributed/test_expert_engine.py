@@ -3,7 +3,8 @@
 The plain ``MoE`` block (8 experts, top-2, a shared expert, SwiGLU, aux loss; fp32) sharded with
 ``parallelize_module`` — ``ExpertParallel`` at EP 2 (2 ranks) and EP 4, ``ExpertTensorParallel`` at
 EP 2 x ETP 2 on a 2-D ("ep", "tp") mesh, ``ExpertParallel`` on that mesh (ETP 1), with capacity and
-padding, an uneven placement, sigmoid routing with GeLU experts — against the unsharded block run on
+padding, an uneven placement, sigmoid routing with GeLU experts, and the block built sharded from
+the start (``MoE(..., ep_group=, etp_group=)``) — against the unsharded block run on
 every rank's tokens (tests/distributed/expert_engine_checks.py): each rank's output, input gradient and
 aux loss, every kept expert weight's gradient (the matching slice of the reference's) and the router's
 and shared expert's gradients (summed over the mesh) agree within 1e-5.
@@ -32,6 +33,7 @@ WORLD2 = {
     "ep2-uneven-placement": dict(ep=2, placement=[3, 5]),
     "ep2-sigmoid-gelu": dict(ep=2, variant="sigmoid-gelu"),
     "ep2-vs-megatron-alltoall": dict(ep=2, megatron=True),
+    "ep2-built-sharded-uneven-placement": dict(ep=2, built_sharded=True, placement=[3, 5]),
 }
 WORLD4 = {
     "ep4": dict(ep=4),
@@ -41,6 +43,7 @@ WORLD4 = {
     "ep2-etp2-uneven-placement": dict(ep=2, tp=2, etp=True, placement=[5, 3]),
     "ep2-tp2-etp1": dict(ep=2, tp=2),
     "ep4-vs-megatron-alltoall": dict(ep=4, megatron=True),
+    "ep2-etp2-built-sharded-capacity-pad": dict(ep=2, tp=2, etp=True, built_sharded=True, variant="capacity-pad"),
 }
 
 
