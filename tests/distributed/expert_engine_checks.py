@@ -27,10 +27,10 @@ VARIANTS = {
 }
 
 
-def build(variant: str, **groups):
+def build(variant: str, seed: int = SEED, **groups):
     from hyper_adaptor.parallel.expert import MoE
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     opts = dict(shared_ffn=SHARED, aux_loss_coeff=0.01, activation="swiglu")
     opts.update(VARIANTS[variant])
     return MoE(HIDDEN, FFN, EXPERTS, TOPK, **opts, **groups)
@@ -102,7 +102,9 @@ def one_layout(rank: int, world: int, layout: dict) -> dict:
     if layout.get("built_sharded"):
         model = built_sharded(mesh, layout)
     else:
-        model = build(layout.get("variant", "base"))
+        # "rank_init": every rank initialises differently; the style's broadcast from the mesh's first
+        # rank (src_data_rank=0, parallelize_module's default) must still give the reference's weights
+        model = build(layout.get("variant", "base"), seed=SEED + rank if layout.get("rank_init") else SEED)
         style_cls = ExpertTensorParallel if layout.get("etp") else ExpertParallel
         parallelize_module(model, mesh, style_cls(placement=layout.get("placement")))
     tokens, weights = batch(world)

@@ -34,6 +34,7 @@ WORLD2 = {
     "ep2-sigmoid-gelu": dict(ep=2, variant="sigmoid-gelu"),
     "ep2-vs-megatron-alltoall": dict(ep=2, megatron=True),
     "ep2-built-sharded-uneven-placement": dict(ep=2, built_sharded=True, placement=[3, 5]),
+    "ep2-rank-init-broadcast": dict(ep=2, rank_init=True),
 }
 WORLD4 = {
     "ep4": dict(ep=4),
@@ -44,6 +45,7 @@ WORLD4 = {
     "ep2-tp2-etp1": dict(ep=2, tp=2),
     "ep4-vs-megatron-alltoall": dict(ep=4, megatron=True),
     "ep2-etp2-built-sharded-capacity-pad": dict(ep=2, tp=2, etp=True, built_sharded=True, variant="capacity-pad"),
+    "ep2-etp2-rank-init-broadcast": dict(ep=2, tp=2, etp=True, rank_init=True),
 }
 
 
