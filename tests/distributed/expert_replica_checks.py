@@ -1,0 +1,141 @@
+"""Hot-expert replica checks, run inside a gloo world (hyper_adaptor/testing/world.py).
+
+A MoE layer (8 experts, top-2, GeLU FFN) on an EP group of 4 with a Zipf-skewed router (a fixed
+logit bias piling the tokens on rank 0's experts) trains a few steps, each rank on its own tokens:
+without replicas, with ``HotExpertReplicas`` (replanned every two steps from the counts it observed,
+so the first plan replaces no plan and the second may move replicas), and with the replicas wired
+wrongly (the replicas' gradients never reach the owners; the replicas' weights not refreshed after the
+optimizer step). The dispatch is the engine's: permute over slots, the count exchange with the plan's
+uneven placement, the uneven all-to-all and its reverse (``dispatcher`` picks the primitives or the
+``AllToAllDispatcher``). Each run returns its losses, its final owned weights and router, and the rows
+each rank computed per step; the tolerances live in tests/distributed/test_expert_replicas.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hyper_adaptor.parallel.expert import (
+    all_to_all,
+    chunk_order,
+    exchange_counts,
+    permute,
+    reorder,
+    send_splits,
+    unpermute,
+)
+from hyper_adaptor.parallel.expert._comm import inverse
+from hyper_adaptor.parallel.expert._replicas import HotExpertReplicas, zipf_bias
+
+EXPERTS, TOPK, HIDDEN, FFN, TOKENS = 8, 2, 8, 16, 96
+STEPS, INTERVAL, REPLICAS, ZIPF = 7, 2, 3, 1.5
+MODES = ("off", "on", "no-grad-reduce", "stale-weights")
+
+
+def _primitive_dispatch(tokens, slot_map, slot_probs, placement, group):
+    """(expert_in, rows per local slot, combine): the uneven exchange from the primitives."""
+    rows, perm = permute(tokens, slot_map, slot_probs)
+    received = exchange_counts(perm.tokens_per_expert, placement, group)
+    in_splits = send_splits(perm.tokens_per_expert, placement)
+    out_splits = [int(c) for c in received.sum(1).tolist()]
+    index, per_local = chunk_order(received)
+    expert_in = reorder(all_to_all(rows, out_splits, in_splits, group), index)
+
+    def combine(expert_out):
+        back = all_to_all(reorder(expert_out, inverse(index)), in_splits, out_splits, group)
+        return unpermute(back, perm)
+
+    return expert_in, per_local, combine
+
+
+def _engine_dispatch(tokens, slot_map, slot_probs, placement, group):
+    from hyper_adaptor.parallel.expert import AllToAllDispatcher
+
+    dispatcher = AllToAllDispatcher(slot_map.shape[1], group, placement=list(placement))
+    expert_in, per_local = dispatcher.dispatch(tokens, slot_map, slot_probs)
+    return expert_in, list(per_local), dispatcher.combine
+
+
+def _experts(x, per_local, w1, w2):
+    pieces, start = [], 0
+    for i, count in enumerate(per_local):
+        pieces.append(F.gelu(x[start:start + count] @ w1[i]) @ w2[i])
+        start += count
+    return torch.cat(pieces) if pieces else x.new_zeros(0, x.shape[1])
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+
+
+def train(rank, world, mode, optimizer, dispatcher="primitives"):
+    group = dist.group.WORLD
+    per_rank = EXPERTS // world
+    g = torch.Generator().manual_seed(0)   # every rank draws every expert, keeps its own
+    w1_all = torch.randn(EXPERTS, HIDDEN, FFN, generator=g) / HIDDEN ** 0.5
+    w2_all = torch.randn(EXPERTS, FFN, HIDDEN, generator=g) / FFN ** 0.5
+    router = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, generator=g) * 0.1)
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    w1 = torch.nn.Parameter(w1_all[mine].clone())
+    w2 = torch.nn.Parameter(w2_all[mine].clone())
+    params = [w1, w2, router]
+    opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.Adam(params, lr=1e-2))
+    bias = zipf_bias(EXPERTS, ZIPF)
+    mgr = HotExpertReplicas(EXPERTS, group, replicas=REPLICAS if mode != "off" else 0, interval=INTERVAL)
+    dispatch = _primitive_dispatch if dispatcher == "primitives" else _engine_dispatch
+    losses, rows, plans = [], [], []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        probs = torch.softmax(x @ router.t() + bias, dim=-1)
+        top = probs.topk(TOPK, dim=-1).indices
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, top, True)
+        mgr.observe(routing_map.sum(0))
+        slot_map, slot_probs = mgr.route(routing_map, probs * routing_map)
+        expert_in, per_local, combine = dispatch(x, slot_map, slot_probs, mgr.placement, group)
+        w1_local, w2_local = mgr.local_weights([w1, w2])
+        out = combine(_experts(expert_in, per_local, w1_local, w2_local))
+        loss = F.mse_loss(out, y) / world          # the mean over ranks of each rank's loss
+        opt.zero_grad()
+        loss.backward()
+        dist.all_reduce(router.grad, group=group)   # the router is replicated: data-parallel sum
+        if mode != "no-grad-reduce":
+            mgr.reduce_grads([w1, w2])
+        opt.step()
+        changed = mgr.step()
+        if mode != "stale-weights" or changed:
+            mgr.sync_weights([w1, w2])
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        losses.append(total.item())
+        rows.append(sum(per_local))
+        plans.append((mgr.plan.placement, mgr.plan.slot_expert, mgr.plan.weights))
+    return {"losses": losses, "w1": w1.detach().clone(), "w2": w2.detach().clone(),
+            "router": router.detach().clone(), "rows": rows, "plans": plans, "report": mgr.load_report()}
+
+
+def _diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def replica_checks(rank, world_size, dispatchers=("primitives",)):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    result = {}
+    for dispatcher in dispatchers:
+        for optimizer in ("sgd", "adam"):
+            runs = {mode: train(rank, world_size, mode, optimizer, dispatcher) for mode in MODES}
+            ref = runs["off"]
+            for mode, run in runs.items():
+                key = f"{dispatcher}-{optimizer}-{mode}"
+                result[key] = {
+                    "loss": max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])),
+                    "weights": _diff([run["w1"], run["w2"], run["router"]], [ref["w1"], ref["w2"], ref["router"]]),
+                    "rows": run["rows"], "plans": run["plans"], "report": run["report"],
+                    "losses": run["losses"],
+                }
+    return result
