@@ -6,6 +6,11 @@ Primitives (every piece of the engine is built from these):
   router's probabilities), ``capacity`` / ``capacity_mask`` (token dropping) and padding;
 - ``_comm.py``: ``exchange_counts`` (the token-count all-to-all), ``all_to_all`` / ``all_to_all_async``
   (uneven, differentiable), ``chunk_order`` / ``reorder`` (by source rank <-> by local expert).
+
+The engine:
+
+- ``_dispatcher.py``: ``AllToAllDispatcher`` — dropless (or capacity-bounded) dispatch and combine over
+  an expert-parallel group, with expert tensor parallel over a second group and uneven placements.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from hyper_adaptor.parallel.expert._comm import (
     reorder,
     send_splits,
 )
+from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
 from hyper_adaptor.parallel.expert._permute import (
     DROP_POLICIES,
     Permutation,
@@ -29,6 +35,20 @@ from hyper_adaptor.parallel.expert._permute import (
     unpermute,
 )
 
-__all__ = ["DROP_POLICIES", "PendingExchange", "Permutation", "all_to_all", "all_to_all_async", "capacity",
-           "capacity_mask", "chunk_order", "exchange_counts", "experts_per_rank", "permute", "reorder", "send_splits",
-           "unpermute"]
+__all__ = [
+    "AllToAllDispatcher",
+    "DROP_POLICIES",
+    "PendingExchange",
+    "Permutation",
+    "all_to_all",
+    "all_to_all_async",
+    "capacity",
+    "capacity_mask",
+    "chunk_order",
+    "exchange_counts",
+    "experts_per_rank",
+    "permute",
+    "reorder",
+    "send_splits",
+    "unpermute",
+]
