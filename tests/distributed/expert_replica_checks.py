@@ -128,7 +128,9 @@ def replica_checks(rank, world_size, dispatchers=("primitives",)):
     result = {}
     for dispatcher in dispatchers:
         for optimizer in ("sgd", "adam"):
-            runs = {mode: train(rank, world_size, mode, optimizer, dispatcher) for mode in MODES}
+            # the wrong wirings need only one dispatcher to show
+            modes = MODES if dispatcher == "primitives" else MODES[:2]
+            runs = {mode: train(rank, world_size, mode, optimizer, dispatcher) for mode in modes}
             ref = runs["off"]
             for mode, run in runs.items():
                 key = f"{dispatcher}-{optimizer}-{mode}"

@@ -51,10 +51,9 @@ def test_replicas_train_as_without(world, dispatcher, optimizer):
 
 
 @pytest.mark.parametrize("mode", ["no-grad-reduce", "stale-weights"])
-@pytest.mark.parametrize("dispatcher", DISPATCHERS)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_wrong_replica_wiring_shows(world, dispatcher, optimizer, mode):
-    run = world[0][f"{dispatcher}-{optimizer}-{mode}"]
+def test_wrong_replica_wiring_shows(world, optimizer, mode):
+    run = world[0][f"primitives-{optimizer}-{mode}"]
     assert max(run["loss"], run["weights"]) > WRONG, run
 
 

@@ -20,7 +20,7 @@ from hyper_adaptor.parallel.expert._replicas import (
     imbalance,
     plan_replicas,
     rank_loads,
-    route,
+    route_to_slots,
     skewed_load_report,
     skewed_routing,
 )
@@ -97,7 +97,7 @@ def test_route_sends_every_copy_to_exactly_one_slot_of_its_expert():
     g = torch.Generator().manual_seed(1)
     routing_map = skewed_routing(301, 8, 2, 2.0, g)
     probs = torch.softmax(torch.randn(301, 8, generator=g), 1) * routing_map
-    slot_map, slot_probs = route(plan, routing_map, probs)
+    slot_map, slot_probs = route_to_slots(plan, routing_map, probs)
     assert slot_map.shape == (301, plan.num_slots) and slot_map.dtype == torch.bool
     # fold the slots back onto their experts: every routed copy exactly once
     slot_expert = torch.tensor(plan.slot_expert)
@@ -112,7 +112,7 @@ def test_route_sends_every_copy_to_exactly_one_slot_of_its_expert():
         for k, slot in enumerate(slots):
             assert torch.equal(slot_map[:, slot].nonzero().flatten(), tokens[bounds[k]:bounds[k + 1]])
     # deterministic
-    again = route(plan, routing_map.clone(), probs.clone())
+    again = route_to_slots(plan, routing_map.clone(), probs.clone())
     assert torch.equal(again[0], slot_map) and torch.equal(again[1], slot_probs)
 
 
@@ -122,11 +122,11 @@ def test_route_keeps_the_router_gradient():
     routing_map = skewed_routing(64, 8, 2, 2.0, g)
     logits = torch.randn(64, 8, generator=g, requires_grad=True)
     weight = torch.randn(64, plan.num_slots, generator=g)
-    slot_probs = route(plan, routing_map, torch.softmax(logits, 1) * routing_map)[1]
+    slot_probs = route_to_slots(plan, routing_map, torch.softmax(logits, 1) * routing_map)[1]
     (slot_probs * weight).sum().backward()
     want_logits = logits.detach().clone().requires_grad_()
     # the same weight seen per expert: slot weights of each token's chosen slot
-    slot_map = route(plan, routing_map)[0]
+    slot_map = route_to_slots(plan, routing_map)[0]
     per_expert = torch.zeros(64, 8).index_add_(1, torch.tensor(plan.slot_expert), weight * slot_map)
     (torch.softmax(want_logits, 1) * routing_map * per_expert).sum().backward()
     torch.testing.assert_close(logits.grad, want_logits.grad, rtol=0, atol=1e-7)
@@ -155,7 +155,7 @@ def test_uneven_placement_gives_the_plain_output_and_the_planned_rows():
         routing_map = skewed_routing(97, 8, 2, 2.0, g)
         probs = torch.softmax(torch.randn(97, 8, generator=g), 1) * routing_map
         plain = _moe_out(tokens, routing_map, probs, w1, w2)
-        slot_map, slot_probs = route(plan, routing_map, probs)
+        slot_map, slot_probs = route_to_slots(plan, routing_map, probs)
         replicated = _moe_out(tokens, slot_map, slot_probs, w1, w2, plan.slot_expert)
         torch.testing.assert_close(replicated, plain, rtol=0, atol=1e-5)
         splits = send_splits(slot_map.sum(0).tolist(), list(plan.placement))
@@ -212,9 +212,10 @@ def test_manager_bad_input(kwargs, message):
     (lambda: plan_replicas([1] * 8, 4, 25), "hot-expert replicas=25: at most 24 with 8 experts on 4"),
     (lambda: plan_replicas([1] * 6, 4, 1), "6 experts cannot be split evenly over an expert-parallel group of 4"),
     (lambda: plan_replicas([1, -1], 2, 1), "token counts per expert must be >= 0"),
-    (lambda: route(identity_plan(8, 4), torch.zeros(3, 6, dtype=torch.bool)), r"routing_map \[T, 8\] expected"),
-    (lambda: route(identity_plan(8, 4), torch.zeros(3, 8)), "routing_map must be bool"),
-    (lambda: route(identity_plan(8, 4), torch.zeros(3, 8, dtype=torch.bool), torch.zeros(3, 7)), "probs"),
+    (lambda: route_to_slots(identity_plan(8, 4), torch.zeros(3, 6, dtype=torch.bool)),
+     r"routing_map \[T, 8\] expected"),
+    (lambda: route_to_slots(identity_plan(8, 4), torch.zeros(3, 8)), "routing_map must be bool"),
+    (lambda: route_to_slots(identity_plan(8, 4), torch.zeros(3, 8, dtype=torch.bool), torch.zeros(3, 7)), "probs"),
     (lambda: HotExpertReplicas(4, None, replicas=0).observe([1, 2]), "4 token counts expected, got 2"),
     (lambda: HotExpertReplicas(4, None, replicas=0).sync_weights([torch.zeros(3, 2)]),
      r"expert parameters must be \[4, ...\]"),

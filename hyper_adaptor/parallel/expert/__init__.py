@@ -34,6 +34,14 @@ from hyper_adaptor.parallel.expert._permute import (
     permute,
     unpermute,
 )
+from hyper_adaptor.parallel.expert._replicas import (
+    HotExpertReplicas,
+    ReplicaPlan,
+    plan_replicas,
+    route_to_slots,
+    skewed_load_report,
+    zipf_bias,
+)
 
 __all__ = [
     "AllToAllDispatcher",
@@ -51,4 +59,10 @@ __all__ = [
     "reorder",
     "send_splits",
     "unpermute",
+    "HotExpertReplicas",
+    "ReplicaPlan",
+    "plan_replicas",
+    "route_to_slots",
+    "skewed_load_report",
+    "zipf_bias",
 ]

@@ -204,16 +204,17 @@ def _slot_rank(placement, slot: int) -> int:
 
 
 # ---------------------------------------------------------------------------------- routing
-def route(plan: ReplicaPlan, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
+def route_to_slots(plan: ReplicaPlan, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
     """[T, E] routing map (and probabilities) -> [T, E + R] over the plan's slots: each routed copy
     goes to exactly one slot computing its expert; a replicated expert's tokens are cut into
     contiguous pieces in token order, piece k of size ``n * W_k // W`` for n tokens (cumulative
     integer weights), so the split needs no communication and is the same every time.
     ``probs`` keep their gradient (a gather of the router's probabilities)."""
     if routing_map.dim() != 2 or routing_map.shape[1] != plan.num_experts:
-        raise ValueError(f"route: routing_map [T, {plan.num_experts}] expected, got {tuple(routing_map.shape)}")
+        raise ValueError(f"route_to_slots: routing_map [T, {plan.num_experts}] expected, "
+                         f"got {tuple(routing_map.shape)}")
     if routing_map.dtype != torch.bool:
-        raise ValueError(f"route: routing_map must be bool, got {routing_map.dtype}")
+        raise ValueError(f"route_to_slots: routing_map must be bool, got {routing_map.dtype}")
     device = routing_map.device
     slot_expert = torch.tensor(plan.slot_expert, dtype=torch.int64, device=device)
     owner_slots = torch.tensor([c[0] for c in plan.copies], dtype=torch.int64, device=device)
@@ -233,7 +234,8 @@ def route(plan: ReplicaPlan, routing_map: torch.Tensor, probs: torch.Tensor | No
     if probs is None:
         return out, None
     if probs.shape != routing_map.shape:
-        raise ValueError(f"route: probs {tuple(probs.shape)} and routing_map {tuple(routing_map.shape)} differ")
+        raise ValueError(f"route_to_slots: probs {tuple(probs.shape)} and routing_map "
+                         f"{tuple(routing_map.shape)} differ")
     gathered = probs.index_select(1, slot_expert)
     return out, torch.where(out, gathered, torch.zeros((), dtype=probs.dtype, device=device))
 
@@ -323,7 +325,7 @@ class HotExpertReplicas:
         return self.plan
 
     def route(self, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
-        return route(self.plan, routing_map, probs)
+        return route_to_slots(self.plan, routing_map, probs)
 
     def load_report(self) -> dict:
         """Tokens per rank of the window the plan was built from, without and with the replicas."""
@@ -442,7 +444,7 @@ def skewed_load_report(num_ranks: int = 4, num_experts: int = 8, topk: int = 2, 
     for _ in range(steps):
         maps = batch()
         for tally, p in ((before, base), (after, plan)):
-            slot_counts = sum(route(p, m)[0].sum(0) for m in maps)
+            slot_counts = sum(route_to_slots(p, m)[0].sum(0) for m in maps)
             for d, load in enumerate(rank_loads(slot_counts, p.placement)):
                 tally[d] += load
     return {"num_ranks": num_ranks, "num_experts": num_experts, "topk": topk, "replicas": replicas,
