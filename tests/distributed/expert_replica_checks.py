@@ -71,21 +71,25 @@ def _batch(rank, step):
     return torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
 
 
-def train(rank, world, mode, optimizer, dispatcher="primitives"):
-    group = dist.group.WORLD
-    per_rank = EXPERTS // world
+def train(rank, world, mode, optimizer, dispatcher="primitives", layout=None):
+    """``layout``: None for one EP group of the whole world; else (ep_group, expert_dp_group, experts,
+    replicas) — experts replicated over the expert-data-parallel group, their gradients summed over
+    it after the replica reduction, which then goes through ``main_grad`` as megatron's DDP keeps it."""
+    group, edp_group, experts, replicas = layout or (dist.group.WORLD, None, EXPERTS, REPLICAS)
+    ep_size, ep_rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = experts // ep_size
     g = torch.Generator().manual_seed(0)   # every rank draws every expert, keeps its own
-    w1_all = torch.randn(EXPERTS, HIDDEN, FFN, generator=g) / HIDDEN ** 0.5
-    w2_all = torch.randn(EXPERTS, FFN, HIDDEN, generator=g) / FFN ** 0.5
-    router = torch.nn.Parameter(torch.randn(EXPERTS, HIDDEN, generator=g) * 0.1)
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    w1_all = torch.randn(experts, HIDDEN, FFN, generator=g) / HIDDEN ** 0.5
+    w2_all = torch.randn(experts, FFN, HIDDEN, generator=g) / FFN ** 0.5
+    router = torch.nn.Parameter(torch.randn(experts, HIDDEN, generator=g) * 0.1)
+    mine = slice(ep_rank * per_rank, (ep_rank + 1) * per_rank)
     w1 = torch.nn.Parameter(w1_all[mine].clone())
     w2 = torch.nn.Parameter(w2_all[mine].clone())
     params = [w1, w2, router]
     opt = (torch.optim.SGD(params, lr=0.1, momentum=0.9) if optimizer == "sgd"
            else torch.optim.Adam(params, lr=1e-2))
-    bias = zipf_bias(EXPERTS, ZIPF)
-    mgr = HotExpertReplicas(EXPERTS, group, replicas=REPLICAS if mode != "off" else 0, interval=INTERVAL)
+    bias = zipf_bias(experts, ZIPF)
+    mgr = HotExpertReplicas(experts, group, replicas=replicas if mode != "off" else 0, interval=INTERVAL)
     dispatch = _primitive_dispatch if dispatcher == "primitives" else _engine_dispatch
     losses, rows, plans = [], [], []
     for step in range(STEPS):
@@ -101,15 +105,23 @@ def train(rank, world, mode, optimizer, dispatcher="primitives"):
         loss = F.mse_loss(out, y) / world          # the mean over ranks of each rank's loss
         opt.zero_grad()
         loss.backward()
-        dist.all_reduce(router.grad, group=group)   # the router is replicated: data-parallel sum
+        dist.all_reduce(router.grad)               # the router is replicated: data-parallel sum
+        grad_attr = "grad" if edp_group is None else "main_grad"
+        if edp_group is not None:
+            for p in (w1, w2):
+                p.main_grad = p.grad.clone()
         if mode != "no-grad-reduce":
-            mgr.reduce_grads([w1, w2])
+            mgr.reduce_grads([w1, w2], grad_attr=grad_attr)
+        if edp_group is not None:
+            for p in (w1, w2):
+                dist.all_reduce(p.main_grad, group=edp_group)
+                p.grad = p.main_grad
         opt.step()
         changed = mgr.step()
         if mode != "stale-weights" or changed:
             mgr.sync_weights([w1, w2])
         total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total)
         losses.append(total.item())
         rows.append(sum(per_local))
         plans.append((mgr.plan.placement, mgr.plan.slot_expert, mgr.plan.weights))
@@ -119,6 +131,12 @@ def train(rank, world, mode, optimizer, dispatcher="primitives"):
 
 def _diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def _compare(runs, ref, key):
+    return {key: {"loss": max(abs(a - b) for a, b in zip(runs["losses"], ref["losses"])),
+                  "weights": _diff([runs["w1"], runs["w2"], runs["router"]], [ref["w1"], ref["w2"], ref["router"]]),
+                  "rows": runs["rows"], "plans": runs["plans"], "report": runs["report"], "losses": runs["losses"]}}
 
 
 def replica_checks(rank, world_size, dispatchers=("primitives",)):
@@ -131,13 +149,14 @@ def replica_checks(rank, world_size, dispatchers=("primitives",)):
             # the wrong wirings need only one dispatcher to show
             modes = MODES if dispatcher == "primitives" else MODES[:2]
             runs = {mode: train(rank, world_size, mode, optimizer, dispatcher) for mode in modes}
-            ref = runs["off"]
             for mode, run in runs.items():
-                key = f"{dispatcher}-{optimizer}-{mode}"
-                result[key] = {
-                    "loss": max(abs(a - b) for a, b in zip(run["losses"], ref["losses"])),
-                    "weights": _diff([run["w1"], run["w2"], run["router"]], [ref["w1"], ref["w2"], ref["router"]]),
-                    "rows": run["rows"], "plans": run["plans"], "report": run["report"],
-                    "losses": run["losses"],
-                }
+                result.update(_compare(run, runs["off"], f"{dispatcher}-{optimizer}-{mode}"))
+    # two EP groups of 2 ({0, 1}, {2, 3}), the experts data-parallel over {0, 2} and {1, 3}: group
+    # ranks are not world ranks, and the owner's gradient is megatron's main_grad
+    ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    edp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    layout = (ep_groups[rank // 2], edp_groups[rank % 2], 4, 2)
+    runs = {mode: train(rank, world_size, mode, "adam", layout=layout) for mode in ("off", "on", "no-grad-reduce")}
+    for mode, run in runs.items():
+        result.update(_compare(run, runs["off"], f"ep2x2-adam-{mode}"))
     return result

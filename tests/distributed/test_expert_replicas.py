@@ -59,7 +59,19 @@ def test_wrong_replica_wiring_shows(world, optimizer, mode):
 
 def test_every_rank_has_the_same_plan(world):
     for key in world[0]:
-        assert all(result[key]["plans"] == world[0][key]["plans"] for result in world), key
+        for members in ([0, 1], [2, 3]) if key.startswith("ep2x2") else ([0, 1, 2, 3],):
+            assert all(world[r][key]["plans"] == world[members[0]][key]["plans"] for r in members), key
+
+
+def test_two_ep_groups_with_expert_data_parallel(world):
+    """EP 2 x expert-DP 2: the replicas reduce within their EP group (group ranks, not world ranks),
+    into ``main_grad``, before the expert-data-parallel sum."""
+    for rank, result in enumerate(world):
+        run = result["ep2x2-adam-on"]
+        assert run["loss"] <= TOL and run["weights"] <= TOL, (rank, run["loss"], run["weights"])
+        assert all(sum(plan[0]) == 4 + 2 for plan in run["plans"][INTERVAL:])
+        wrong = result["ep2x2-adam-no-grad-reduce"]
+        assert max(wrong["loss"], wrong["weights"]) > WRONG
 
 
 @pytest.mark.parametrize("dispatcher", DISPATCHERS)

@@ -185,15 +185,20 @@ def test_zipf_skewed_router_reaches_1_1_with_replicas():
 def test_manager_on_one_process_plans_from_its_window():
     mgr = HotExpertReplicas(4, None, replicas=0, interval=2)
     assert mgr.placement == [4] and mgr.num_slots == 4
-    mgr.observe(torch.tensor([5, 1, 1, 1]))
-    assert mgr.step() is False
-    mgr.observe([5, 1, 1, 1])
-    assert mgr.step() is True
-    assert mgr.plan.tokens_per_expert == (10, 2, 2, 2)
+    assert mgr.load_report()["before"] == [0]
+    routing_map = torch.tensor([[True, False, True, False]] * 3)
+    for step in range(2):
+        mgr.observe(routing_map.sum(0))
+        assert torch.equal(mgr.route(routing_map)[0], routing_map)
+        assert mgr.step() is (step == 1)
+    assert mgr.plan.tokens_per_expert == (6, 0, 6, 0)
     report = mgr.load_report()
-    assert report["before"] == [16] and report["before_max_over_mean"] == 1.0 and report["replicas"] == []
-    routing_map = torch.tensor([[True, False, True, False]])
-    assert torch.equal(mgr.route(routing_map)[0], routing_map)
+    assert report["before"] == report["after"] == [12] and report["planned"] == [12.0]
+    assert report["before_max_over_mean"] == 1.0 and report["replicas"] == []
+    # a new window: the counts start again
+    mgr.observe([1, 0, 0, 0])
+    mgr.replan()
+    assert mgr.plan.tokens_per_expert == (1, 0, 0, 0) and mgr.load_report()["after"] == [1]
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -284,9 +284,13 @@ class HotExpertReplicas:
             raise ValueError(f"replica interval must be an integer >= 1 step, got {interval!r}")
         self.num_experts, self.replicas, self.interval = num_experts, replicas, interval
         self.plan = identity_plan(num_experts, self.ep_size)
-        self._window = torch.zeros(num_experts, dtype=torch.int64)
+        # this rank's counts since the last plan: per expert (observe) and per slot as routed (route);
+        # kept where the router's tensors are, so a step adds no host synchronisation
+        self._window: torch.Tensor | None = None
+        self._slot_window: torch.Tensor | None = None
         self._steps = 0
         self._replica_weights: list[torch.Tensor] = []
+        self._report = self._make_report([0] * num_experts, None, self.plan, self.plan)
 
     # -------------------------------------------------------------------- plan
     @property
@@ -299,10 +303,11 @@ class HotExpertReplicas:
 
     def observe(self, tokens_per_expert) -> None:
         """Add this rank's tokens per expert (E counts, one forward) to the window."""
-        counts = torch.as_tensor(tokens_per_expert).detach().to("cpu", torch.int64).reshape(-1)
+        counts = torch.as_tensor(tokens_per_expert).detach().reshape(-1)
         if counts.numel() != self.num_experts:
             raise ValueError(f"observe: {self.num_experts} token counts expected, got {counts.numel()}")
-        self._window += counts
+        counts = counts.to(torch.int64)
+        self._window = counts.clone() if self._window is None else self._window + counts.to(self._window.device)
 
     def step(self) -> bool:
         """Count one optimizer step; every ``interval`` steps replan. True when the plan was rebuilt
@@ -314,24 +319,47 @@ class HotExpertReplicas:
         return True
 
     def replan(self) -> ReplicaPlan:
-        """A new plan from the window's counts summed over the EP group (a collective: every rank
+        """A new plan from the window's counts summed over the EP group (one all-reduce: every rank
         calls it); the window starts again."""
-        window = self._window.to(_comm_device(self.group)) if dist.is_initialized() else self._window.clone()
+        device = _comm_device(self.group) if dist.is_initialized() else torch.device("cpu")
+        experts = self._window if self._window is not None else torch.zeros(self.num_experts, dtype=torch.int64)
+        slots = self._slot_window
+        if slots is None:
+            slots = torch.full((self.plan.num_slots,), -1, dtype=torch.int64)   # nothing routed: no measure
+        window = torch.cat([experts.to(device), slots.to(device)])
         if dist.is_initialized() and self.ep_size > 1:
             dist.all_reduce(window, group=self.group)
-        self.plan = plan_replicas(window.cpu(), self.ep_size, self.replicas)
-        self._window.zero_()
+        window = window.cpu()
+        counts, routed = window[:self.num_experts], window[self.num_experts:]
+        old, self.plan = self.plan, plan_replicas(counts, self.ep_size, self.replicas)
+        self._report = self._make_report(counts.tolist(), routed if self._slot_window is not None else None,
+                                         old, self.plan)
+        self._window = self._slot_window = None
         self._replica_weights = []
         return self.plan
 
     def route(self, routing_map: torch.Tensor, probs: torch.Tensor | None = None):
-        return route_to_slots(self.plan, routing_map, probs)
+        """``route_to_slots`` with the current plan (the rows per slot are counted for the report)."""
+        slot_map, slot_probs = route_to_slots(self.plan, routing_map, probs)
+        routed = slot_map.sum(0)
+        self._slot_window = routed if self._slot_window is None else self._slot_window + routed
+        return slot_map, slot_probs
+
+    def _make_report(self, counts, routed, old: ReplicaPlan, new: ReplicaPlan) -> dict:
+        before = identity_plan(self.num_experts, self.ep_size, counts).owner_load()
+        after = rank_loads(routed, old.placement) if routed is not None else before
+        planned = new.expected_load()   # new was planned from these counts
+        return {"tokens_per_expert": list(counts), "before": before, "after": after, "planned": planned,
+                "before_max_over_mean": imbalance(before), "after_max_over_mean": imbalance(after),
+                "planned_max_over_mean": imbalance(planned), "replicas": new.replicas()}
 
     def load_report(self) -> dict:
-        """Tokens per rank of the window the plan was built from, without and with the replicas."""
-        before, after = self.plan.owner_load(), self.plan.expected_load()
-        return {"before": before, "after": after, "before_max_over_mean": imbalance(before),
-                "after_max_over_mean": imbalance(after), "replicas": self.plan.replicas()}
+        """Rows per rank over the last window (the ``interval`` steps before the last replan), summed
+        over the EP group: ``before`` as the even placement would have had them, ``after`` as the
+        ranks really received them under the plan that served the window, ``planned`` what the new
+        plan would give the same counts; each with its max/mean, and the new plan's replicas as
+        (slot, expert, rank). The same on every rank (log it from one)."""
+        return dict(self._report)
 
     # -------------------------------------------------------------------- weights and gradients
     def _layout(self):
