@@ -10,7 +10,13 @@ Primitives (every piece of the engine is built from these):
 The engine:
 
 - ``_dispatcher.py``: ``AllToAllDispatcher`` — dropless (or capacity-bounded) dispatch and combine over
-  an expert-parallel group, with expert tensor parallel over a second group and uneven placements.
+  an expert-parallel group, with expert tensor parallel over a second group and uneven placements;
+- ``_experts.py``: ``GroupedExperts`` (the local experts' SwiGLU / GeLU FFNs through the grouped GEMM)
+  and ``FeedForward`` (a dense FFN: the shared expert);
+- ``moe.py``: ``MoE``, a plain-torch block (router, routed experts, optional shared expert), one
+  process by default;
+- ``style.py``: ``ExpertParallel`` / ``ExpertTensorParallel``, torch ``ParallelStyle``s that shard a
+  ``MoE`` over a 1-D ("ep",) or 2-D ("ep", "tp") device mesh through ``parallelize_module``.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from hyper_adaptor.parallel.expert._comm import (
     send_splits,
 )
 from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
+from hyper_adaptor.parallel.expert._experts import FeedForward, GroupedExperts
 from hyper_adaptor.parallel.expert._permute import (
     DROP_POLICIES,
     Permutation,
@@ -42,6 +49,8 @@ from hyper_adaptor.parallel.expert._replicas import (
     skewed_load_report,
     zipf_bias,
 )
+from hyper_adaptor.parallel.expert.moe import MoE
+from hyper_adaptor.parallel.expert.style import ExpertParallel, ExpertTensorParallel
 
 __all__ = [
     "AllToAllDispatcher",
@@ -59,6 +68,11 @@ __all__ = [
     "reorder",
     "send_splits",
     "unpermute",
+    "ExpertParallel",
+    "ExpertTensorParallel",
+    "FeedForward",
+    "GroupedExperts",
+    "MoE",
     "HotExpertReplicas",
     "ReplicaPlan",
     "plan_replicas",
