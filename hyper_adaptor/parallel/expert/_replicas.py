@@ -225,9 +225,10 @@ def route_to_slots(plan: ReplicaPlan, routing_map: torch.Tensor, probs: torch.Te
             continue
         column = routing_map[:, e]
         position = torch.cumsum(column.to(torch.int64), 0) - 1     # rank of the token among e's
-        n, total = int(column.sum()), sum(weights)
-        cumulative = [sum(weights[:k + 1]) for k in range(len(weights) - 1)]
-        bounds = torch.tensor([n * w // total for w in cumulative], dtype=torch.int64, device=device)
+        cumulative = torch.tensor([sum(weights[:k + 1]) for k in range(len(weights) - 1)], dtype=torch.int64,
+                                  device=device)
+        # n * W_k // W on the device: no host synchronisation per replicated expert
+        bounds = torch.div(column.sum() * cumulative, sum(weights), rounding_mode="floor")
         piece = torch.searchsorted(bounds, position, right=True)
         for k, slot in enumerate(slots):
             out[:, slot] = column & (piece == k)
