@@ -27,7 +27,7 @@ from hyper_adaptor.parallel.expert import (
     unpermute,
 )
 from hyper_adaptor.parallel.expert._comm import inverse
-from hyper_adaptor.parallel.expert._replicas import HotExpertReplicas, zipf_bias
+from hyper_adaptor.parallel.expert._replicas import HotExpertReplicas, attach_replicas, zipf_bias
 
 EXPERTS, TOPK, HIDDEN, FFN, TOKENS = 8, 2, 8, 16, 96
 STEPS, INTERVAL, REPLICAS, ZIPF = 7, 2, 3, 1.5
@@ -129,6 +129,46 @@ def train(rank, world, mode, optimizer, dispatcher="primitives", layout=None):
             "router": router.detach().clone(), "rows": rows, "plans": plans, "report": mgr.load_report()}
 
 
+def train_block(rank, world, replicas):
+    """The engine's ``MoE`` block (SwiGLU, a shared expert) sharded by ``ExpertParallel`` on a 1-D
+    "ep" mesh, with ``attach_replicas`` when ``replicas``; the router skewed through a constant input
+    feature whose router weights are the Zipf bias. Adam on every parameter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyper_adaptor.parallel.expert import ExpertParallel, MoE
+
+    torch.manual_seed(0)
+    moe = MoE(HIDDEN, FFN, EXPERTS, TOPK, shared_ffn=FFN)
+    with torch.no_grad():
+        moe.router.weight.mul_(0.1)[:, 0] = zipf_bias(EXPERTS, ZIPF) / 3
+    parallelize_module(moe, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ExpertParallel())
+    mgr = attach_replicas(moe, replicas=REPLICAS, interval=INTERVAL) if replicas else None
+    opt = torch.optim.Adam(moe.parameters(), lr=1e-2)
+    experts = list(moe.experts.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        x[:, 0] = 3.0
+        loss = F.mse_loss(moe(x), y) / world
+        opt.zero_grad()
+        loss.backward()
+        for p in moe.parameters():
+            if all(p is not q for q in experts):
+                dist.all_reduce(p.grad)            # router and shared expert: data-parallel sum
+        if mgr:
+            mgr.reduce_grads()
+        opt.step()
+        if mgr:
+            mgr.step()
+            mgr.sync_weights()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item())
+    return {"losses": losses, "params": [p.detach().clone() for p in moe.parameters()],
+            "report": mgr.load_report() if mgr else None}
+
+
 def _diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -159,4 +199,8 @@ def replica_checks(rank, world_size, dispatchers=("primitives",)):
     runs = {mode: train(rank, world_size, mode, "adam", layout=layout) for mode in ("off", "on", "no-grad-reduce")}
     for mode, run in runs.items():
         result.update(_compare(run, runs["off"], f"ep2x2-adam-{mode}"))
+    # the library block: MoE + ExpertParallel + attach_replicas
+    off, on = train_block(rank, world_size, False), train_block(rank, world_size, True)
+    result["block"] = {"loss": max(abs(a - b) for a, b in zip(on["losses"], off["losses"])),
+                       "weights": _diff(on["params"], off["params"]), "report": on["report"]}
     return result

@@ -273,11 +273,17 @@ class HotExpertReplicas:
         mgr.step()                                       # every ``interval`` steps: a new plan
         mgr.sync_weights(expert_params)                  # owners' new weights to the replicas
 
-    ``expert_params``: this rank's expert parameters, each [E_local, ...] (one row per owned expert).
+    ``expert_params``: this rank's expert parameters, each [E_local, ...] (one row per owned expert);
+    ``bind`` (done by ``attach_replicas``) lets the three methods find them themselves.
+    ``count_group``: where the counts are summed before planning (default ``ep_group``); it must span
+    every rank that has to share the placement — under expert tensor parallel, the ETP peers too.
     Until the first plan (``interval`` steps of counts) there are no replicas."""
 
-    def __init__(self, num_experts: int, ep_group=None, *, replicas: int = 1, interval: int = 100):
+    def __init__(self, num_experts: int, ep_group=None, *, replicas: int = 1, interval: int = 100,
+                 count_group=None):
         self.group = ep_group
+        self.count_group = ep_group if count_group is None else count_group
+        self._params_fn = None
         self.ep_size = dist.get_world_size(ep_group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(ep_group) if dist.is_initialized() else 0
         _check(num_experts, self.ep_size, replicas)
@@ -322,14 +328,14 @@ class HotExpertReplicas:
     def replan(self) -> ReplicaPlan:
         """A new plan from the window's counts summed over the EP group (one all-reduce: every rank
         calls it); the window starts again."""
-        device = _comm_device(self.group) if dist.is_initialized() else torch.device("cpu")
+        device = _comm_device(self.count_group) if dist.is_initialized() else torch.device("cpu")
         experts = self._window if self._window is not None else torch.zeros(self.num_experts, dtype=torch.int64)
         slots = self._slot_window
         if slots is None:
             slots = torch.full((self.plan.num_slots,), -1, dtype=torch.int64)   # nothing routed: no measure
         window = torch.cat([experts.to(device), slots.to(device)])
-        if dist.is_initialized() and self.ep_size > 1:
-            dist.all_reduce(window, group=self.group)
+        if dist.is_initialized() and dist.get_world_size(self.count_group) > 1:
+            dist.all_reduce(window, group=self.count_group)
         window = window.cpu()
         counts, routed = window[:self.num_experts], window[self.num_experts:]
         old, self.plan = self.plan, plan_replicas(counts, self.ep_size, self.replicas)
@@ -373,7 +379,15 @@ class HotExpertReplicas:
         recv = [sum(1 for e in mine if self.plan.owner(e) == s) for s in range(self.ep_size)]
         return send, recv
 
+    def bind(self, params_fn) -> None:
+        """``params_fn()`` returns the expert parameters; the methods below then need no argument."""
+        self._params_fn = params_fn
+
     def _check_params(self, expert_params) -> list[torch.Tensor]:
+        if expert_params is None:
+            if self._params_fn is None:
+                raise ValueError("HotExpertReplicas: pass the expert parameters (or bind them first)")
+            expert_params = self._params_fn()
         params = list(expert_params)
         per_rank = self.num_experts // self.ep_size
         for p in params:
@@ -382,7 +396,7 @@ class HotExpertReplicas:
                                  f"got {tuple(p.shape)}")
         return params
 
-    def sync_weights(self, expert_params) -> None:
+    def sync_weights(self, expert_params=None) -> None:
         """Copy the owners' current weights into this rank's replicas (one all-to-all per parameter)."""
         params = self._check_params(expert_params)
         send, recv = self._layout()
@@ -398,7 +412,7 @@ class HotExpertReplicas:
                 replicas.append(out.reshape(sum(recv), *p.shape[1:]).requires_grad_(p.requires_grad))
         self._replica_weights = replicas
 
-    def local_weights(self, expert_params) -> list[torch.Tensor]:
+    def local_weights(self, expert_params=None) -> list[torch.Tensor]:
         """Each parameter extended by this rank's replicas: [placement[rank], ...], in slot order (what
         the experts compute with; the gradient reaches the owned rows and the replicas apart)."""
         params = self._check_params(expert_params)
@@ -408,7 +422,7 @@ class HotExpertReplicas:
             raise RuntimeError("HotExpertReplicas: sync_weights must run after a new plan, before the forward")
         return [torch.cat([p, r]) for p, r in zip(params, self._replica_weights)]
 
-    def reduce_grads(self, expert_params, grad_attr: str = "grad") -> None:
+    def reduce_grads(self, expert_params=None, grad_attr: str = "grad") -> None:
         """Send every replica's gradient to the owner and add it to the owner's ``grad_attr``
         (``"main_grad"`` for megatron's DDP buffers), in source-rank order; the replicas' gradients
         are cleared. A collective: every rank calls it after the backward."""
@@ -434,6 +448,84 @@ class HotExpertReplicas:
                 target = torch.zeros_like(p)
                 setattr(p, grad_attr, target)
             target.view(p.shape[0], width).index_add_(0, index, incoming.to(target.dtype))
+
+
+# ---------------------------------------------------------------------------------- the MoE block
+class _ReplicaDispatcher:
+    """The block's dispatcher seen through the plan: counts observed, the map routed over slots, and
+    an ``AllToAllDispatcher`` over the slots with the plan's placement (rebuilt when it changes)."""
+
+    def __init__(self, manager: HotExpertReplicas, base):
+        self.manager, self.base, self._inner = manager, base, None
+        self.num_experts = base.num_experts
+
+    def dispatch(self, tokens, routing_map, probs):
+        from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
+
+        self.manager.observe(routing_map.sum(0))
+        slot_map, slot_probs = self.manager.route(routing_map, probs)
+        if self._inner is None or self._inner.placement != self.manager.placement:
+            b = self.base
+            self._inner = AllToAllDispatcher(self.manager.num_slots, b.ep_group, etp_group=b.etp_group, topk=b.topk,
+                                             placement=self.manager.placement)
+        return self._inner.dispatch(tokens, slot_map, slot_probs)
+
+    def combine(self, expert_out):
+        return self._inner.combine(expert_out)
+
+
+def attach_replicas(moe, *, replicas: int, interval: int) -> HotExpertReplicas:
+    """Hot-expert replicas on a ``MoE`` block already sharded by ``ExpertParallel`` /
+    ``ExpertTensorParallel``: its dispatcher routes over the plan's slots and its experts compute the
+    replicas' rows with the replicas' weights. Returns the manager, bound to the block's expert
+    weights; the training loop calls ``reduce_grads()`` after the backward, ``step()`` and
+    ``sync_weights()`` after the optimizer step. Dropless dispatch only: a capacity counted per slot
+    would drop other tokens than the block without replicas."""
+    from hyper_adaptor.parallel.expert._experts import GroupedExperts
+
+    dispatcher, experts = getattr(moe, "dispatcher", None), getattr(moe, "experts", None)
+    if isinstance(dispatcher, _ReplicaDispatcher):
+        raise ValueError("attach_replicas: the block already has replicas")
+    if not isinstance(experts, GroupedExperts) or not hasattr(dispatcher, "ep_group"):
+        raise TypeError(f"attach_replicas applies to a MoE block, got {type(moe).__name__}")
+    if dispatcher.ep_group is None:
+        raise ValueError("attach_replicas: the block is not expert-parallel (shard it with ExpertParallel first)")
+    if dispatcher.capacity_factor is not None:
+        raise ValueError(f"hot-expert replicas need dropless dispatch; the block has capacity_factor="
+                         f"{dispatcher.capacity_factor}")
+    if dispatcher.placement != experts_per_rank(dispatcher.num_experts, len(dispatcher.placement)):
+        raise ValueError(f"hot-expert replicas plan their own placement; the block has {dispatcher.placement}")
+    count_group = None
+    if dispatcher.etp_group is not None and dist.get_world_size(dispatcher.etp_group) > 1:
+        count_group = dist.group.WORLD     # ETP peers sit in other EP groups and must share the plan
+    manager = HotExpertReplicas(dispatcher.num_experts, dispatcher.ep_group, replicas=replicas, interval=interval,
+                                count_group=count_group)
+    manager.bind(lambda: list(experts.projections().values()))
+    moe.dispatcher = _ReplicaDispatcher(manager, dispatcher)
+    grouped_forward = type(experts).forward
+
+    def forward(x, tokens_per_expert):
+        # the class's arithmetic on [local + replica] weights: same names, more rows
+        names = list(experts.projections())
+        local = dict(zip(names, manager.local_weights()))
+        view = _WeightsView(experts, local, len(tokens_per_expert))
+        return grouped_forward(view, x, tokens_per_expert)
+
+    experts.forward = forward
+    return manager
+
+
+class _WeightsView:
+    """A stand-in ``self`` for ``GroupedExperts.forward``: the module's attributes, with the local
+    weights extended by the replicas and the slot count."""
+
+    def __init__(self, module, weights: dict, num_experts: int):
+        self._module, self._weights, self.num_experts = module, weights, num_experts
+
+    def __getattr__(self, name):
+        if name in self._weights:
+            return self._weights[name]
+        return getattr(self._module, name)
 
 
 # ---------------------------------------------------------------------------------- skewed router
