@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from hyper_adaptor.parallel.expert import permute, send_splits, unpermute
+from hyper_adaptor.parallel.expert import MoE, attach_replicas, permute, send_splits, unpermute
 from hyper_adaptor.parallel.expert._replicas import (
     HotExpertReplicas,
     _water_fill,
@@ -213,6 +213,11 @@ def test_manager_bad_input(kwargs, message):
         HotExpertReplicas(8, None, **{"replicas": 0, **kwargs})
 
 
+def test_attach_refuses_what_is_not_a_moe_block():
+    with pytest.raises(TypeError, match="attach_replicas applies to a MoE block, got Linear"):
+        attach_replicas(torch.nn.Linear(2, 2), replicas=1, interval=1)
+
+
 @pytest.mark.parametrize("call,message", [
     (lambda: plan_replicas([1] * 8, 4, 25), "hot-expert replicas=25: at most 24 with 8 experts on 4"),
     (lambda: plan_replicas([1] * 6, 4, 1), "6 experts cannot be split evenly over an expert-parallel group of 4"),
@@ -224,6 +229,10 @@ def test_manager_bad_input(kwargs, message):
     (lambda: HotExpertReplicas(4, None, replicas=0).observe([1, 2]), "4 token counts expected, got 2"),
     (lambda: HotExpertReplicas(4, None, replicas=0).sync_weights([torch.zeros(3, 2)]),
      r"expert parameters must be \[4, ...\]"),
+    (lambda: HotExpertReplicas(4, None, replicas=0).reduce_grads(), "pass the expert parameters"),
+    (lambda: attach_replicas(MoE(4, 8, 4, 2, capacity_factor=1.0), replicas=1, interval=1),
+     "hot-expert replicas need dropless dispatch; the block has capacity_factor=1.0"),
+    (lambda: attach_replicas(MoE(4, 8, 4, 2), replicas=1, interval=1), "the block is not expert-parallel"),
 ])
 def test_bad_input(call, message):
     with pytest.raises(ValueError, match=message):

@@ -44,6 +44,7 @@ from hyper_adaptor.parallel.expert._permute import (
 from hyper_adaptor.parallel.expert._replicas import (
     HotExpertReplicas,
     ReplicaPlan,
+    attach_replicas,
     plan_replicas,
     route_to_slots,
     skewed_load_report,
@@ -75,6 +76,7 @@ __all__ = [
     "MoE",
     "HotExpertReplicas",
     "ReplicaPlan",
+    "attach_replicas",
     "plan_replicas",
     "route_to_slots",
     "skewed_load_report",

@@ -488,11 +488,11 @@ def attach_replicas(moe, *, replicas: int, interval: int) -> HotExpertReplicas:
         raise ValueError("attach_replicas: the block already has replicas")
     if not isinstance(experts, GroupedExperts) or not hasattr(dispatcher, "ep_group"):
         raise TypeError(f"attach_replicas applies to a MoE block, got {type(moe).__name__}")
-    if dispatcher.ep_group is None:
-        raise ValueError("attach_replicas: the block is not expert-parallel (shard it with ExpertParallel first)")
     if dispatcher.capacity_factor is not None:
         raise ValueError(f"hot-expert replicas need dropless dispatch; the block has capacity_factor="
                          f"{dispatcher.capacity_factor}")
+    if dispatcher.ep_group is None:
+        raise ValueError("attach_replicas: the block is not expert-parallel (shard it with ExpertParallel first)")
     if dispatcher.placement != experts_per_rank(dispatcher.num_experts, len(dispatcher.placement)):
         raise ValueError(f"hot-expert replicas plan their own placement; the block has {dispatcher.placement}")
     count_group = None
