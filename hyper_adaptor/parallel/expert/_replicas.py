@@ -112,7 +112,7 @@ def _water_fill(amount: float, base: list[float]) -> list[float]:
     """Split ``amount`` over bins already holding ``base`` so the fullest ones get nothing and the
     others end level (the split minimising the largest bin)."""
     order = sorted(range(len(base)), key=lambda i: (base[i], i))
-    level, used = base[order[0]], 0
+    level, used = 0.0, 0
     for k in range(1, len(order) + 1):
         # level reachable filling the k lowest bins with everything
         candidate = (amount + sum(base[i] for i in order[:k])) / k
@@ -174,10 +174,10 @@ def plan_replicas(tokens_per_expert, ep_size: int, replicas: int) -> ReplicaPlan
         ranks[e].append(target)
         shares[e].append(0.0)
         # re-level every replicated expert, so the next pick sees the loads this one leaves
-        replicated = sorted((e for e in range(num_experts) if len(ranks[e]) > 1), key=lambda e: (-counts[e], e))
+        replicated = sorted((r for r in range(num_experts) if len(ranks[r]) > 1), key=lambda r: (-counts[r], r))
         for _ in range(_REFINE_SWEEPS):
-            for e in replicated:
-                refill(e)
+            for r in replicated:
+                refill(r)
 
     # slots: per rank its own experts, then its replicas in expert order
     slot_expert, placement, slot_of = [], [], {}
