@@ -245,3 +245,13 @@ def test_every_small_layout_plans_up_to_the_limit():
             for counts in itertools.islice(itertools.product([0, 3, 50], repeat=experts), 0, None, 23):
                 plan = plan_replicas(list(counts), ranks, replicas)
                 assert all(len(set(plan.slot_rank(s) for s in slots)) == len(slots) for slots in plan.copies)
+
+
+def test_route_with_no_tokens_or_none_for_a_replicated_expert():
+    plan = _skewed_plan()
+    empty, probs = route_to_slots(plan, torch.zeros(0, 8, dtype=torch.bool), torch.zeros(0, 8))
+    assert empty.shape == (0, plan.num_slots) and probs.shape == (0, plan.num_slots)
+    routing_map = torch.zeros(5, 8, dtype=torch.bool)
+    routing_map[:, 7] = True                      # expert 0 (replicated) gets nothing from this source
+    slot_map = route_to_slots(plan, routing_map)[0]
+    assert slot_map.sum() == 5 and slot_map[:, plan.copies[7][0]].all()
