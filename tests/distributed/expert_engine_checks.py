@@ -103,12 +103,56 @@ def one_layout(rank: int, world: int, layout: dict) -> dict:
             "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
 
 
+def against_megatron(rank: int, world: int, ep: int) -> dict:
+    """megatron's ``MoELayer`` with its all-to-all dispatcher (local spec, GeLU experts, softmax top-k
+    router without a balancing loss; tests/distributed/moe_dispatcher_checks.py builds it) and the
+    engine's block with the same weights, on the same tokens at the same EP layout: each rank's
+    (engine, megatron) output, input gradient, router gradient and local expert weight gradients."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyper_adaptor.parallel.expert import ExpertParallel, MoE
+    from tests.distributed import moe_dispatcher_checks as megatron_side
+
+    from megatron.core import parallel_state as ps
+
+    layer = megatron_side._build(ep, 1, 1, "alltoall", False, dict(moe_router_load_balancing_type="none"))
+    x, probe = megatron_side.chunk(rank)
+    x_megatron = x.clone().requires_grad_()
+    out_megatron, _ = layer(x_megatron)
+    (out_megatron * probe).sum().backward()
+    local = layer.experts.local_experts
+    megatron_grads = {"w_up": torch.stack([e.linear_fc1.weight.grad for e in local]),
+                      "w_down": torch.stack([e.linear_fc2.weight.grad for e in local])}
+    router_megatron = layer.router.weight.grad.clone()
+    ps.destroy_model_parallel()
+
+    full = megatron_side.full_weights()
+    # megatron's default router: softmax over the top-k logits, i.e. the top-k softmax scores renormalised
+    moe = MoE(megatron_side.HIDDEN, megatron_side.FFN, megatron_side.EXPERTS, megatron_side.TOPK,
+              activation="gelu", normalize_topk=True)
+    with torch.no_grad():
+        moe.router.weight.copy_(full["router"])
+        moe.experts.w_up.copy_(full["fc1"])
+        moe.experts.w_down.copy_(full["fc2"])
+    parallelize_module(moe, _mesh(dict(ep=ep)), ExpertParallel())
+    x_engine = x.clone().requires_grad_()
+    out_engine = moe(x_engine)
+    (out_engine * probe).sum().backward()
+    return {"output": (out_engine.detach(), out_megatron.detach()),
+            "input gradient": (x_engine.grad, x_megatron.grad),
+            "router gradient": (moe.router.weight.grad, router_megatron),
+            **{f"{n} gradient": (moe.experts.projections()[n].grad, g) for n, g in megatron_grads.items()}}
+
+
 def layouts(rank: int, world: int, runs: dict) -> dict:
     dist.init_process_group("gloo")
     results = {}
     for name, layout in runs.items():
         try:
-            results[name] = one_layout(rank, world, layout)
+            if layout.get("megatron"):
+                results[name] = against_megatron(rank, world, layout["ep"])
+            else:
+                results[name] = one_layout(rank, world, layout)
         except Exception:
             # a layout that fails on every rank fails alone; one that fails on some ranks only would
             # leave the others waiting in a collective, which the world's timeout turns into a failure
