@@ -41,6 +41,15 @@ from hyper_adaptor.parallel.expert._permute import (
     permute,
     unpermute,
 )
+from hyper_adaptor.parallel.expert._replicas import (
+    HotExpertReplicas,
+    ReplicaPlan,
+    attach_replicas,
+    plan_replicas,
+    route_to_slots,
+    skewed_load_report,
+    zipf_bias,
+)
 from hyper_adaptor.parallel.expert.moe import MoE
 from hyper_adaptor.parallel.expert.style import ExpertParallel, ExpertTensorParallel
 
@@ -65,4 +74,11 @@ __all__ = [
     "FeedForward",
     "GroupedExperts",
     "MoE",
+    "HotExpertReplicas",
+    "ReplicaPlan",
+    "attach_replicas",
+    "plan_replicas",
+    "route_to_slots",
+    "skewed_load_report",
+    "zipf_bias",
 ]
