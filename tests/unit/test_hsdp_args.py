@@ -68,16 +68,47 @@ def _prepare(*flags, world=4):
         (("--hsdp-bucket-size-kb", "-2"), "--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got -2.0"),
         (("--hsdp-shard-size", "0"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got 0"),
         (("--hsdp-shard-size", "-2"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got -2"),
-        (("--num-experts", "4", "--expert-model-parallel-size", "2"),
-         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 2"),
-        (("--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 1 "
-         "--expert-tensor-parallel-size 1"),
     ],
 )
 def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
     with pytest.raises(FeatureConfigError, match=message):
         _prepare("--use-hsdp", *flags)
+
+
+@pytest.mark.parametrize("flags, world", [
+    (("--expert-model-parallel-size", "2"), 4),
+    (("--expert-model-parallel-size", "2", "--hsdp-shard-size", "2"), 8),
+    # a shard size at least the expert-DP size (2 here) shards the experts over that whole group
+    (("--expert-model-parallel-size", "2", "--hsdp-shard-size", "4"), 4),
+    (("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), 4),
+    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
+     8),
+])
+def test_expert_parallelism_is_served(flags, world):
+    args = _prepare("--use-hsdp", "--num-experts", "4", *flags, world=world)
+    assert args.use_hsdp
+
+
+def test_a_shard_size_that_splits_the_expert_data_parallel_group_unevenly_is_refused():
+    # world 12, EP 2: data parallel 12 (4 divides it), expert data parallel 6 (4 does not)
+    with pytest.raises(FeatureConfigError, match="--hsdp-shard-size 4 must be -1, at least, or divide the expert "
+                                                 "data-parallel size 6 .*--expert-model-parallel-size 2"):
+        _prepare("--use-hsdp", "--num-experts", "4", "--expert-model-parallel-size", "2", "--hsdp-shard-size", "4",
+                 world=12)
+
+
+def test_expert_units_scale_like_megatron_ddp(monkeypatch):
+    """Experts: summed over the expert-DP group, divided by the data-parallel size (the engine averages
+    over a unit's own group, so grad_scale = expert-DP / DP); the shard size is capped at that group."""
+    from hyper_adaptor.patches.hsdp import data_parallel
+
+    monkeypatch.setattr(data_parallel.dist, "get_world_size", lambda group: group)  # "groups" are their sizes
+    kwargs = {"shard_size": -1, "threshold": 0.0}
+    assert data_parallel._expert_kwargs(kwargs, 2, 4) == {"shard_size": -1, "threshold": 0.0, "grad_scale": 0.5}
+    assert data_parallel._expert_kwargs({**kwargs, "shard_size": 4}, 2, 8)["shard_size"] == -1
+    assert data_parallel._expert_kwargs({**kwargs, "shard_size": 2}, 4, 8)["shard_size"] == 2
+    with pytest.raises(ValueError, match="--hsdp-shard-size 4 must be -1 or divide the expert data-parallel size 6"):
+        data_parallel._expert_kwargs({**kwargs, "shard_size": 4}, 6, 12)
 
 
 @pytest.mark.parametrize("shard", ["0", "-3"])
