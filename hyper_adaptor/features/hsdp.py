@@ -123,5 +123,6 @@ def _expert_data_parallel_size(args) -> int | None:
     if not world:
         return None
     etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
-    model = etp * (getattr(args, "expert_model_parallel_size", 1) or 1) * getattr(args, "pipeline_model_parallel_size", 1)
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    model = etp * ep * getattr(args, "pipeline_model_parallel_size", 1)
     return world // model if model and world % model == 0 else None

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from tests.distributed.gpt_parity import MICRO_BATCH, SEQ, VOCAB, _micro_batch_dicts
 
 LAYERS, EXPERTS, TOPK, GLOBAL_BATCH, STEPS, SEED = 2, 4, 2, 16, 3, 1234
+CLIP = 0.5  # below the first steps' gradient norms (about 0.57 and 0.55): clipping acts, then does not
 
 
 def _batches(step: int) -> list:
@@ -34,7 +35,7 @@ def _hsdp_args(run: dict, tp: int, ep: int, etp: int) -> types.SimpleNamespace:
         transformer_impl="local", optimization_level=2, use_hsdp=True, hsdp_optimizer_level=run["hsdp"],
         hsdp_shard_size=run.get("shard", -1), hsdp_threshold_kb=0.0, world_size=dist.get_world_size(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, num_experts=EXPERTS)
+        expert_tensor_parallel_size=etp, num_experts=EXPERTS, fp16=bool(run.get("fp16")))
     ADAPTOR.prepare(args, say=False)
     ADAPTOR.apply_features(args)
     return args
@@ -52,6 +53,7 @@ def _build(run: dict):
     from megatron.core.transformer import TransformerConfig
 
     tp, ep, etp = run.get("tp", 1), run["ep"], run.get("etp", run.get("tp", 1))
+    fp16 = bool(run.get("fp16"))
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -63,10 +65,15 @@ def _build(run: dict):
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, fp16=fp16,
+        params_dtype=torch.float16 if fp16 else torch.float32, pipeline_dtype=torch.float16 if fp16 else torch.float32,
     )
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
                      vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
+    if fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)
     hsdp = run.get("hsdp")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=not hsdp)
     if hsdp:
@@ -84,8 +91,9 @@ def _build(run: dict):
     else:
         chunk = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0,
-                        use_distributed_optimizer=not hsdp),
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=CLIP,
+                        use_distributed_optimizer=not hsdp, fp16=fp16, initial_loss_scale=run.get("fp16"),
+                        params_dtype=torch.float16 if fp16 else torch.float32, hysteresis=1),
         [chunk],
     )
     return config, model, chunk, optimizer
@@ -102,7 +110,7 @@ def _layout(model) -> dict:
     from torch.distributed.tensor import DTensor
 
     out = {}
-    for name, param in model.named_parameters():
+    for param in model.parameters():
         kind = "expert" if not getattr(param, "allreduce", True) else "dense"
         if isinstance(param, DTensor):
             out.setdefault(kind, set()).add((param.device_mesh.size(), any(p.is_shard() for p in param.placements)))
@@ -116,8 +124,13 @@ def train(run: dict) -> dict:
 
     config, model, chunk, optimizer = _build(run)
     config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss  # (fp16: the loss scaler's; 1 otherwise)
     if run.get("load"):
         _load(run, model, chunk)
+    if run.get("overflow_in"):
+        result = _found_inf(run["overflow_in"], optimizer)
+        ps.destroy_model_parallel()
+        return result
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     num_micro = GLOBAL_BATCH // MICRO_BATCH // dp_size
 
@@ -131,7 +144,7 @@ def train(run: dict) -> dict:
 
         return output, loss_func
 
-    losses, norms = [], []
+    losses, norms, scales, skipped = [], [], [], []
     for step in range(run.get("steps", STEPS)):
         mine = _micro_batch_dicts(_batches(step))[dp_rank * num_micro : (dp_rank + 1) * num_micro]
         chunk.zero_grad_buffer()
@@ -142,16 +155,38 @@ def train(run: dict) -> dict:
         loss = torch.stack([d["lm loss"] for d in out]).sum()
         dist.all_reduce(loss, group=ps.get_data_parallel_group())
         losses.append(loss.item() / dp_size)
+        scales.append(float(optimizer.get_loss_scale()))
         ok, grad_norm, _ = optimizer.step()
-        assert ok
-        norms.append(float(grad_norm))
+        skipped.append(not ok)  # fp16: an overflow anywhere skips the step on every rank
+        norms.append(float(grad_norm) if ok else float("nan"))
     if run.get("save"):
         _save(run, model)
     params = {name: _local(p) for name, p in model.named_parameters()}
-    result = {"loss": losses, "grad_norm": norms, "params": params, "layout": _layout(model),
+    result = {"loss": losses, "grad_norm": norms, "loss_scale": scales, "skipped": skipped, "params": params,
+              "layout": _layout(model),
               "optimizers": len(getattr(optimizer, "chained_optimizers", [optimizer]))}
     ps.destroy_model_parallel()
     return result
+
+
+def _found_inf(kind: str, optimizer) -> dict:
+    """fp16: an inf in one ``kind`` ("dense" / "expert") gradient shard of rank 0 only; with HSDP's
+    shards every rank must skip the step (megatron's chained optimizer: the dense and the expert
+    optimizer each check their own gradients, over their own model-parallel groups)."""
+    from torch.distributed.tensor import DTensor
+
+    planted = False
+    for sub in optimizer.chained_optimizers:
+        for group in sub.float16_groups:
+            for param in group:
+                grad = torch.zeros_like(param)
+                local = grad._local_tensor if isinstance(grad, DTensor) else grad
+                is_expert = not getattr(param, "allreduce", True)
+                if dist.get_rank() == 0 and not planted and is_expert == (kind == "expert") and local.numel():
+                    local.view(-1)[0] = float("inf")
+                    planted = True
+                param.grad = grad
+    return {"found_inf": bool(optimizer.prepare_grads()), "planted": planted}
 
 
 def _model_state(run: dict, model):
@@ -191,7 +226,7 @@ def parity(rank: int, world_size: int, runs: dict) -> dict:
     for name, run in runs.items():
         try:
             results[name] = train(run)
-        except Exception as error:  # noqa: BLE001  (a refused run is a result: today's code refuses them all)
+        except Exception as error:  # a refused run is a result (today's code refuses them all)
             import traceback
 
             results[name] = f"{type(error).__name__}: {error}\n{traceback.format_exc()[-1500:]}"
