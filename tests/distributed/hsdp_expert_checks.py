@@ -81,13 +81,15 @@ def _build(run: dict):
         from hyper_adaptor.patches.hsdp.patches import hsdp_kwargs
 
         wrapper = data_parallel.make_wrapper_class(hsdp_kwargs(_hsdp_args(run, tp, ep, etp)))
-        right = data_parallel._expert_kwargs
         if run.get("wrong_expert_scale"):  # the negative control: experts averaged over their own group only
+            right = data_parallel._expert_kwargs
             data_parallel._expert_kwargs = lambda kw, *groups: {**right(kw, *groups), "grad_scale": 1.0}
-        try:
+            try:
+                chunk = wrapper(config=config, ddp_config=ddp_config, module=model)
+            finally:
+                data_parallel._expert_kwargs = right
+        else:
             chunk = wrapper(config=config, ddp_config=ddp_config, module=model)
-        finally:
-            data_parallel._expert_kwargs = right
     else:
         chunk = DistributedDataParallel(config, ddp_config, model)
     optimizer = get_megatron_optimizer(
