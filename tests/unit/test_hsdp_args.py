@@ -151,3 +151,31 @@ def test_fp16_reduces_in_fp32_unless_told(capsys):
             in capsys.readouterr().out)
     args = _prepare("--use-hsdp", "--fp16", "--hsdp-reduce-dtype", "fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float16
+
+
+def test_nested_units_prefetch_and_keep_in_backward_order(world_of_one):
+    """Level 3's default schedule with a unit nested in each layer (megatron's experts, wrapped over
+    their own group): backward begins with the last layer, then its nested unit, then the layer before;
+    the root and the last layer stay gathered. Without nesting, the same rule is reverse module order."""
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.experts = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.experts(self.attn(x))
+
+    model = nn.Sequential(nn.Linear(4, 4), Layer(), Layer())
+    for layer in model[1:]:
+        hsdp(layer.experts, optimizer_level="level3", threshold=0)
+    for layer in model[1:]:
+        hsdp(layer, optimizer_level="level3", threshold=0)
+    hsdp(model, optimizer_level="level3", threshold=0)
+    model(torch.ones(2, 4)).sum().backward()  # the first forward sets the defaults
+    root, (l1, e1, l2, e2) = model._hsdp_state, [m._hsdp_state for m in (model[1], model[1].experts, model[2],
+                                                                         model[2].experts)]
+    assert root._backward_order() == [l2, e2, l1, e1]
+    assert [s.backward_prefetch for s in (root, l2, e2, l1, e1)] == [[l2], [e2], [l1], [e1], []]
+    assert [s.forward_prefetch for s in (root, l1, e1, l2, e2)] == [[l1], [e1], [l2], [e2], []]
+    assert [s.reshard_after_forward for s in (root, l1, e1, l2, e2)] == [False, True, True, False, True]
