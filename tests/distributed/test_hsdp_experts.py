@@ -4,10 +4,11 @@ A megatron-core GPT whose every layer is an MoE (4 experts, top-2, aux-loss rout
 dispatcher, no linear biases; tests/distributed/hsdp_expert_checks.py), 3 Adam steps with gradient
 clipping, fp32, every parameter sharded (threshold 0):
 
-* 2 ranks, EP 2 (the expert-DP group is one rank: experts whole, dense parameters over 2), levels 1-3;
+* 2 ranks, EP 2 (the expert-DP group is one rank: experts whole, dense parameters over 2), levels 1-3,
+  and level 3 with megatron's allgather dispatcher;
 * 4 ranks, EP 2 x DP 2 (experts sharded over their 2-rank expert-DP group, dense over 4) at levels 1
-  and 3 and level 2 with hybrid sharding of the dense parameters (2 x 2), and TP 2 x EP 2 with expert
-  TP 1 at level 3.
+  and 3 and level 2 with hybrid sharding of the dense parameters (2 x 2) and --hsdp-comm-async, and
+  TP 2 x EP 2 with expert TP 1 at level 3.
 
 Each step's loss and gradient norm within 1e-5 relative of megatron's (the e2e HSDP runs' loss
 tolerance; the norms megatron logs to 4 digits), every parameter after the last step within 1e-5;
@@ -30,7 +31,9 @@ TARGET = "tests.distributed.hsdp_expert_checks:parity"
 RTOL = PARAM_ATOL = 1e-5
 EP2 = dict(ep=2)
 TP2_ETP1 = dict(ep=2, tp=2, etp=1)
-WORLD2 = {"ddp": EP2, **{f"hsdp-{level}": dict(EP2, hsdp=level) for level in ("level1", "level2", "level3")}}
+WORLD2 = {"ddp": EP2, **{f"hsdp-{level}": dict(EP2, hsdp=level) for level in ("level1", "level2", "level3")},
+          # megatron's other dispatcher (the same tokens reach the same experts; compared with all-to-all's DDP run)
+          "hsdp-level3-allgather": dict(EP2, hsdp="level3", dispatcher="allgather")}
 
 
 def _world4(tmpdir: str) -> dict:
@@ -39,7 +42,7 @@ def _world4(tmpdir: str) -> dict:
         "ddp-tp2-etp1": TP2_ETP1,
         "hsdp-level1": dict(EP2, hsdp="level1"),
         "hsdp-level3": dict(EP2, hsdp="level3", save=f"{tmpdir}/hsdp"),
-        "hsdp-level2-hybrid": dict(EP2, hsdp="level2", shard=2),
+        "hsdp-level2-hybrid-async": dict(EP2, hsdp="level2", shard=2, comm_async=True),
         "hsdp-level3-tp2-etp1": dict(TP2_ETP1, hsdp="level3"),
         "wrong-expert-scale": dict(EP2, hsdp="level3", wrong_expert_scale=True, steps=1),
         # fp16: an inf in one gradient shard of rank 0 (no step taken)
@@ -52,7 +55,7 @@ def _world4(tmpdir: str) -> dict:
 
 
 BASELINE = {"hsdp-level3-tp2-etp1": "ddp-tp2-etp1", "wrong-expert-scale": "ddp"}
-WORLD4_PARITY = ["hsdp-level1", "hsdp-level3", "hsdp-level2-hybrid", "hsdp-level3-tp2-etp1"]
+WORLD4_PARITY = ["hsdp-level1", "hsdp-level3", "hsdp-level2-hybrid-async", "hsdp-level3-tp2-etp1"]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +108,7 @@ def test_experts_are_sharded_over_the_expert_data_parallel_group(world4):
     for results in world4:
         assert results["hsdp-level3"]["layout"] == {"dense": [(4, True)], "expert": [(2, True)]}
         # hybrid: the dense parameters on a 2 x 2 mesh; the shard size (2) is the whole expert-DP group
-        assert results["hsdp-level2-hybrid"]["layout"] == {"dense": [(4, True)], "expert": [(2, True)]}
+        assert results["hsdp-level2-hybrid-async"]["layout"] == {"dense": [(4, True)], "expert": [(2, True)]}
         # TP 2: data parallel is 2 ranks; expert TP 1 x EP 2 leaves 2 for expert data parallel
         assert results["hsdp-level3-tp2-etp1"]["layout"] == {"dense": [(2, True)], "expert": [(2, True)]}
 
