@@ -33,7 +33,8 @@ def _hsdp_args(run: dict, tp: int, ep: int, etp: int) -> types.SimpleNamespace:
 
     args = types.SimpleNamespace(
         transformer_impl="local", optimization_level=2, use_hsdp=True, hsdp_optimizer_level=run["hsdp"],
-        hsdp_shard_size=run.get("shard", -1), hsdp_threshold_kb=0.0, hsdp_comm_async=bool(run.get("comm_async")), world_size=dist.get_world_size(),
+        hsdp_shard_size=run.get("shard", -1), hsdp_threshold_kb=0.0, hsdp_comm_async=bool(run.get("comm_async")),
+        world_size=dist.get_world_size(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp, num_experts=EXPERTS, fp16=bool(run.get("fp16")))
     ADAPTOR.prepare(args, say=False)
@@ -61,7 +62,8 @@ def _build(run: dict):
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, add_bias_linear=False,
         activation_func=F.gelu, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=96,
-        moe_token_dispatcher_type=run.get("dispatcher", "alltoall"), moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
+        moe_token_dispatcher_type=run.get("dispatcher", "alltoall"), moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
         sequence_parallel=tp > 1, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
