@@ -145,10 +145,15 @@ def _expert_kwargs(hsdp_kwargs: dict, expert_group, dense_group) -> dict:
 
 
 def _check_expert_groups(module, expert_group) -> None:
-    """Every expert-parallel parameter (megatron's ``allreduce = False``) must be reduced over the
-    expert-DP group: one outside an ``MoELayer``'s experts would be summed with other experts'."""
+    """Each parameter is reduced over the group megatron's DDP would use (by its ``allreduce`` mark):
+    an expert-parallel one outside an ``MoELayer``'s experts would be summed with other experts', a
+    replicated one inside them would miss the data-parallel ranks outside the expert-DP group."""
     for name, param in module.named_parameters():
         managed = getattr(param, "_hsdp_param", None)
-        if not getattr(param, "allreduce", True) and managed is not None and managed.mesh.dp_group is not expert_group:
-            raise RuntimeError(f"--use-hsdp: expert-parallel parameter {name} is outside an MoELayer's experts; "
-                               f"HSDP would reduce it over the data-parallel group")
+        if managed is None:
+            continue
+        expert = not getattr(param, "allreduce", True)
+        if expert != (managed.mesh.dp_group is expert_group):
+            where = "outside an MoELayer's experts" if expert else "inside an MoELayer's experts"
+            raise RuntimeError(f"--use-hsdp: parameter {name} (allreduce={not expert}) is {where}; HSDP would reduce "
+                               f"it over the {'data-parallel' if expert else 'expert data-parallel'} group")
