@@ -24,7 +24,8 @@ class HSDP(Feature):
         Flag("--hsdp-optimizer-level", "level1: shard optimizer state; level2: + gradients; level3: + parameters",
              {"choices": ("level1", "level2", "level3"), "default": "level2"}),
         Flag("--hsdp-shard-size",
-             "ranks per shard group (-1: the whole data-parallel group); groups beyond it replicate",
+             "ranks per shard group (-1: the whole data-parallel group); groups beyond it replicate; "
+             "expert parameters under expert parallelism: at most their expert data-parallel group",
              {"type": int, "default": -1}),
         Flag("--hsdp-threshold-kb", "parameters smaller than this (KB) are kept whole on every rank",
              {"type": float, "default": 64.0}),
