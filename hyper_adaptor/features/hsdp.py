@@ -1,7 +1,8 @@
 """Level 2 — HSDP as Megatron's data-parallel engine (``--use-hsdp``).
 
 Replaces megatron's DDP wrapper and optimizer sharding: megatron's data-parallel group (with
-context parallel) is the HSDP group, so it composes with TP and PP. Engine:
+context parallel) is the HSDP group, so it composes with TP and PP; under expert parallelism the
+experts are sharded over megatron's expert-data-parallel group. Engine:
 hyper_adaptor/parallel/hsdp; megatron seam: hyper_adaptor/patches/hsdp.
 """
 
@@ -23,7 +24,8 @@ class HSDP(Feature):
         Flag("--hsdp-optimizer-level", "level1: shard optimizer state; level2: + gradients; level3: + parameters",
              {"choices": ("level1", "level2", "level3"), "default": "level2"}),
         Flag("--hsdp-shard-size",
-             "ranks per shard group (-1: the whole data-parallel group); groups beyond it replicate",
+             "ranks per shard group (-1: the whole data-parallel group); groups beyond it replicate; "
+             "expert parameters under expert parallelism: at most their expert data-parallel group",
              {"type": int, "default": -1}),
         Flag("--hsdp-threshold-kb", "parameters smaller than this (KB) are kept whole on every rank",
              {"type": float, "default": 64.0}),
@@ -63,21 +65,6 @@ class HSDP(Feature):
             "data_parallel_random_init": "--data-parallel-random-init",
         }
         refuse_combined(args, "--use-hsdp", conflicts)
-        ep = getattr(args, "expert_model_parallel_size", 1) or 1
-        etp = getattr(args, "expert_tensor_parallel_size", None)
-        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
-        if ep > 1 or etp not in (None, tp):
-            # HSDP shards and reduces every parameter over megatron's data-parallel group; expert
-            # parameters under expert parallelism belong to the expert data-parallel group, and
-            # reducing them over the other one would sum different experts' gradients.
-            flags = f"--expert-model-parallel-size {ep}"
-            if etp not in (None, tp):
-                flags += f" --expert-tensor-parallel-size {etp}"
-            raise FeatureConfigError(
-                f"--use-hsdp does not support expert parallelism: {flags} (MoE with "
-                f"--expert-model-parallel-size 1 and the expert tensor-parallel size equal to "
-                f"--tensor-model-parallel-size {tp} is supported)"
-            )
         fmt = getattr(args, "ckpt_format", "torch_dist")
         if (getattr(args, "save", None) or getattr(args, "load", None)) and fmt != "torch_dist":
             # HSDP's shards are written as megatron torch_dist entries at their global offsets
@@ -96,6 +83,16 @@ class HSDP(Feature):
             raise FeatureConfigError(
                 f"--hsdp-shard-size {shard} must be -1 or divide the data-parallel size {dp} "
                 f"(world {args.world_size} / TP x PP x CP)"
+            )
+        edp = _expert_data_parallel_size(args)
+        if shard != -1 and edp and shard < edp and edp % shard:
+            # expert parameters are sharded over the expert-data-parallel group (experts of one EP
+            # rank), which is smaller than the data-parallel group under expert parallelism; a shard
+            # size at least that group's is the whole group
+            raise FeatureConfigError(
+                f"--hsdp-shard-size {shard} must be -1, at least, or divide the expert data-parallel size {edp} "
+                f"(world {args.world_size} / expert TP x EP x PP with --expert-model-parallel-size "
+                f"{getattr(args, 'expert_model_parallel_size', 1)})"
             )
         threshold = args.hsdp_threshold_kb
         if not math.isfinite(threshold) or threshold < 0:
@@ -118,4 +115,15 @@ def _data_parallel_size(args) -> int | None:
         getattr(args, "tensor_model_parallel_size", 1) * getattr(args, "pipeline_model_parallel_size", 1)
         * (getattr(args, "context_parallel_size", 1) or 1)
     )
+    return world // model if model and world % model == 0 else None
+
+
+def _expert_data_parallel_size(args) -> int | None:
+    """megatron's expert-data-parallel size: world / (expert TP x EP x PP), where the world is known."""
+    world = getattr(args, "world_size", None)
+    if not world:
+        return None
+    etp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    model = etp * ep * getattr(args, "pipeline_model_parallel_size", 1)
     return world // model if model and world % model == 0 else None

@@ -161,3 +161,49 @@ def test_save_then_resume_reproduces_the_next_losses(tmp_path, name):
     for it in (4, 6):
         assert abs(resumed[it] - full[it]) <= 1e-5 * abs(full[it]), (it, resumed, full)
     assert [grad_norms(output)[i] for i in (4, 5, 6)] == [grad_norms(full_output)[i] for i in (4, 5, 6)]
+
+
+# -- expert parallelism: EP 2 x DP 2, experts sharded over the expert-DP group ------------------------
+# (parity with megatron's DDP + distributed optimizer, and the model checkpoint both ways between the
+# two: tests/distributed/test_hsdp_experts.py)
+EP2_MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2",
+           "--moe-token-dispatcher-type", "alltoall", "--moe-aux-loss-coeff", "1e-2"]
+
+
+EP2_COMMON = ["--mock-data", "--train-iters", "4", *COMMON[3:], *EP2_MOE]
+EP2_HSDP = ["--use-hsdp", "--hsdp-threshold-kb", "0"]
+
+
+@pytest.fixture(scope="module")
+def ep2_hsdp_checkpoint(tmp_path_factory):
+    """EP 2 x DP 2, level 3: 4 iterations, saved at iteration 2."""
+    ckpt = str(tmp_path_factory.mktemp("ep2_hsdp") / "ckpt")
+    full, output = pretrain(4, *EP2_COMMON, *EP2_HSDP, "--hsdp-optimizer-level", "level3", "--save", ckpt,
+                            "--save-interval", "2", model=MODEL)
+    assert sorted(full) == [1, 2, 3, 4] and full[4] < full[1]
+    return ckpt, full, grad_norms(output)
+
+
+def test_expert_parallel_hsdp_saves_and_resumes_with_the_same_next_loss(ep2_hsdp_checkpoint):
+    """megatron's dense and expert optimizers (a ChainedOptimizer) over HSDP shards: level 3 wrote
+    (expert rows and their Adam state at their global offsets), level 1 resumes."""
+    ckpt, full, full_norms = ep2_hsdp_checkpoint
+    resumed, output = pretrain(4, *EP2_COMMON, *EP2_HSDP, "--hsdp-optimizer-level", "level1", "--load", ckpt,
+                               "--ckpt-step", "2", model=MODEL)
+    assert sorted(resumed) == [3, 4], resumed
+    # iteration 4 is logged as the mean of 3 and 4 after a resume (see the test above)
+    assert abs(resumed[3] - full[3]) <= 1e-5 * abs(full[3]), (resumed, full)
+    assert [grad_norms(output)[i] for i in (3, 4)] == [full_norms[i] for i in (3, 4)]
+
+
+def test_megatron_ddp_with_the_distributed_optimizer_loads_the_expert_parallel_hsdp_model(ep2_hsdp_checkpoint):
+    """The same checkpoint read by megatron's own DDP + distributed optimizer at EP 2 x DP 2: the model
+    (its expert rows under megatron's keys and offsets), so iteration 3's loss and gradient norm are the
+    HSDP run's. --no-load-optim: the plain optimizer's state is not the distributed optimizer's format,
+    and megatron 0.19.2's distributed optimizer loads no checkpoint without apex / TransformerEngine."""
+    ckpt, full, full_norms = ep2_hsdp_checkpoint
+    resumed, output = pretrain(4, *EP2_COMMON, "--use-distributed-optimizer", "--no-load-optim", "--load", ckpt,
+                               "--ckpt-step", "2", model=MODEL)
+    assert sorted(resumed) == [3, 4], resumed
+    assert abs(resumed[3] - full[3]) <= 1e-5 * abs(full[3]), (resumed, full)
+    assert grad_norms(output)[3] == full_norms[3]

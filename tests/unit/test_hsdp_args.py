@@ -68,16 +68,47 @@ def _prepare(*flags, world=4):
         (("--hsdp-bucket-size-kb", "-2"), "--hsdp-bucket-size-kb must be -1, 0 or a finite number > 0; got -2.0"),
         (("--hsdp-shard-size", "0"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got 0"),
         (("--hsdp-shard-size", "-2"), "--hsdp-shard-size must be -1 .* or a number of ranks >= 1; got -2"),
-        (("--num-experts", "4", "--expert-model-parallel-size", "2"),
-         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 2"),
-        (("--num-experts", "4", "--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
-         "--use-hsdp does not support expert parallelism: --expert-model-parallel-size 1 "
-         "--expert-tensor-parallel-size 1"),
     ],
 )
 def test_conflicting_megatron_flags_are_errors_naming_them(flags, message):
     with pytest.raises(FeatureConfigError, match=message):
         _prepare("--use-hsdp", *flags)
+
+
+@pytest.mark.parametrize("flags, world", [
+    (("--expert-model-parallel-size", "2"), 4),
+    (("--expert-model-parallel-size", "2", "--hsdp-shard-size", "2"), 8),
+    # a shard size at least the expert-DP size (2 here) shards the experts over that whole group
+    (("--expert-model-parallel-size", "2", "--hsdp-shard-size", "4"), 4),
+    (("--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"), 4),
+    (("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"),
+     8),
+])
+def test_expert_parallelism_is_served(flags, world):
+    args = _prepare("--use-hsdp", "--num-experts", "4", *flags, world=world)
+    assert args.use_hsdp
+
+
+def test_a_shard_size_that_splits_the_expert_data_parallel_group_unevenly_is_refused():
+    # world 12, EP 2: data parallel 12 (4 divides it), expert data parallel 6 (4 does not)
+    with pytest.raises(FeatureConfigError, match="--hsdp-shard-size 4 must be -1, at least, or divide the expert "
+                                                 "data-parallel size 6 .*--expert-model-parallel-size 2"):
+        _prepare("--use-hsdp", "--num-experts", "4", "--expert-model-parallel-size", "2", "--hsdp-shard-size", "4",
+                 world=12)
+
+
+def test_expert_units_scale_like_megatron_ddp(monkeypatch):
+    """Experts: summed over the expert-DP group, divided by the data-parallel size (the engine averages
+    over a unit's own group, so grad_scale = expert-DP / DP); the shard size is capped at that group."""
+    from hyper_adaptor.patches.hsdp import data_parallel
+
+    monkeypatch.setattr(data_parallel.dist, "get_world_size", lambda group: group)  # "groups" are their sizes
+    kwargs = {"shard_size": -1, "threshold": 0.0}
+    assert data_parallel._expert_kwargs(kwargs, 2, 4) == {"shard_size": -1, "threshold": 0.0, "grad_scale": 0.5}
+    assert data_parallel._expert_kwargs({**kwargs, "shard_size": 4}, 2, 8)["shard_size"] == -1
+    assert data_parallel._expert_kwargs({**kwargs, "shard_size": 2}, 4, 8)["shard_size"] == 2
+    with pytest.raises(ValueError, match="--hsdp-shard-size 4 must be -1 or divide the expert data-parallel size 6"):
+        data_parallel._expert_kwargs({**kwargs, "shard_size": 4}, 6, 12)
 
 
 @pytest.mark.parametrize("shard", ["0", "-3"])
@@ -120,3 +151,31 @@ def test_fp16_reduces_in_fp32_unless_told(capsys):
             in capsys.readouterr().out)
     args = _prepare("--use-hsdp", "--fp16", "--hsdp-reduce-dtype", "fp16")
     assert hsdp_kwargs(args)["reduce_dtype"] is torch.float16
+
+
+def test_nested_units_prefetch_and_keep_in_backward_order(world_of_one):
+    """Level 3's default schedule with a unit nested in each layer (megatron's experts, wrapped over
+    their own group): backward begins with the last layer, then its nested unit, then the layer before;
+    the root and the last layer stay gathered. Without nesting, the same rule is reverse module order."""
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.experts = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4))
+
+        def forward(self, x):
+            return self.experts(self.attn(x))
+
+    model = nn.Sequential(nn.Linear(4, 4), Layer(), Layer())
+    for layer in model[1:]:
+        hsdp(layer.experts, optimizer_level="level3", threshold=0)
+    for layer in model[1:]:
+        hsdp(layer, optimizer_level="level3", threshold=0)
+    hsdp(model, optimizer_level="level3", threshold=0)
+    model(torch.ones(2, 4)).sum().backward()  # the first forward sets the defaults
+    root, (l1, e1, l2, e2) = model._hsdp_state, [m._hsdp_state for m in (model[1], model[1].experts, model[2],
+                                                                         model[2].experts)]
+    assert root._backward_order() == [l2, e2, l1, e1]
+    assert [s.backward_prefetch for s in (root, l2, e2, l1, e1)] == [[l2], [e2], [l1], [e1], []]
+    assert [s.forward_prefetch for s in (root, l1, e1, l2, e2)] == [[l1], [e1], [l2], [e2], []]
+    assert [s.reshard_after_forward for s in (root, l1, e1, l2, e2)] == [False, True, True, False, True]

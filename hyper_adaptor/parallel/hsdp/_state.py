@@ -220,31 +220,53 @@ class HSDPState:
         return self._nested
 
     def _default_keep(self) -> None:
-        """Level 3, where ``set_reshard_after_forward`` was not called: the root and the last unit
-        (module order) stay gathered from their forward until their backward is done. Backward
-        begins with exactly these two (the root's output layer, then the last unit), so freeing
+        """Level 3, where ``set_reshard_after_forward`` was not called: the root and the unit whose
+        backward begins first (the last one in module order; where units nest, the last outermost
+        one: ``_backward_order``) stay gathered from their forward until their backward is done.
+        Backward begins with exactly these two (the root's output layer, then that unit), so freeing
         them after forward only to gather them again a moment later costs two blocking all-gathers
         and saves no peak memory: the backward prefetch would hold the same two units at that point.
         FSDP2 keeps its root the same way; torchtitan also keeps the last block."""
-        order = [self, *self._nested]
-        for state in order:
+        first = self._backward_order()[:1]
+        for state in (self, *self._nested):
             if state.reshard_after_forward is None:
-                state.reshard_after_forward = state is not self and state is not order[-1]
+                state.reshard_after_forward = state is not self and state not in first
 
     def _default_prefetch(self) -> None:
         """Level 3, when no prefetch was set: each unit starts the next one's all-gather (module
-        order, the execution order of a layer stack) when its forward begins, and the previous
-        one's when its backward begins, so a gather runs while the unit before it computes.
+        order, the execution order of a layer stack) when its forward begins, and the all-gather of
+        the unit whose backward comes next (``_backward_order``) when its backward begins, so a
+        gather runs while the unit before it computes.
         ``set_forward_prefetch_cells`` / ``set_backward_prefetch_cells`` override this."""
         order = [self, *self._nested]
         if not self.config.reshard_after_forward or any(s.forward_prefetch or s.backward_prefetch for s in order):
             return
         for before, after in zip(order, order[1:]):
             before.forward_prefetch = [after]
-        for earlier, later in zip(order[1:], order[2:]):
-            later.backward_prefetch = [earlier]
-        if len(order) > 1:
-            self.backward_prefetch = [order[-1]]  # the root's backward begins with the last unit
+        backward = [self, *self._backward_order()]
+        for now, after in zip(backward, backward[1:]):
+            now.backward_prefetch = [after]
+
+    def _backward_order(self) -> list[HSDPState]:
+        """The nested units in the order their backward begins: siblings in reverse module order,
+        each before the units nested in it (their outputs feed its own, so the gradient reaches it
+        first). Without nesting, reverse module order (the root's backward begins with the last unit);
+        with a unit nested in each layer (experts wrapped over another group) it is layer n, its
+        nested unit, layer n - 1, ..."""
+        names = {id(sub): name for name, sub in self.module.named_modules()}
+        units = {names[id(state.module)]: state for state in self._nested_states()}
+        children: dict[str, list[str]] = {"": []}
+        for name in units:  # module order
+            parent = max((p for p in units if name.startswith(p + ".")), key=len, default="")
+            children.setdefault(parent, []).append(name)
+            children.setdefault(name, [])
+
+        def walk(name):
+            for child in reversed(children[name]):
+                yield units[child]
+                yield from walk(child)
+
+        return list(walk(""))
 
     # -- backward --------------------------------------------------------------------------------
     def _join_backward(self) -> None:
