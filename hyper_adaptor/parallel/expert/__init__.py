@@ -32,3 +32,15 @@ from hyper_adaptor.parallel.expert._permute import (
 __all__ = ["DROP_POLICIES", "PendingExchange", "Permutation", "all_to_all", "all_to_all_async", "capacity",
            "capacity_mask", "chunk_order", "exchange_counts", "experts_per_rank", "permute", "reorder", "send_splits",
            "unpermute"]
+
+from hyper_adaptor.parallel.expert._overlap import (  # noqa: E402
+    CommComputeOverlap,
+    HookCoordinator,
+    HookRole,
+    OverlapStats,
+    measure_exposed_comm,
+    overlapped_moe_forward,
+)
+
+__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
+            "overlapped_moe_forward"]
