@@ -245,8 +245,9 @@ def run_pair(weights, group, layers, *, overlapped: bool):
 # ------------------------------------------------------------------- ordering: the race shown
 def race_pair(group, *, coordinated: bool):
     """Micro-batch 1's forward with micro-batch 0's backward, each one exchange there and one back of
-    equal sizes. Rank 0 delays its forward, rank 1 its backward: without the coordinator rank 0 issues
-    the backward's exchange first and rank 1 the forward's, which the collective silently pairs up."""
+    equal sizes. Even ranks delay their forward, odd ranks their backward: without the coordinator even
+    ranks issue the backward's exchanges first and odd ranks the forward's, which the collective silently
+    pairs up (the delay also keeps the two threads of a rank from ever issuing at the same moment)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     g = torch.Generator().manual_seed(rank)
     w = torch.randn(HIDDEN, HIDDEN, generator=g).requires_grad_()
@@ -262,12 +263,12 @@ def race_pair(group, *, coordinated: bool):
     loss0 = loss(0)
 
     def fwd():
-        if rank == 0:
+        if rank % 2 == 0:
             time.sleep(0.5)
         return loss(1)
 
     def bwd():
-        if rank == 1:
+        if rank % 2 == 1:
             time.sleep(0.5)
         loss0.backward()
 
@@ -366,6 +367,13 @@ def overlap_checks(rank: int, world_size: int) -> dict:
     got = run_case(group, weights, tokens, dout, chunks=2, shared=True, placement=placement)
     record("placement/overlap-vs-single-process",
            compare(got, reference(weights, world_size, rank, shared=True, placement=placement), 1e-5))
+
+    try:
+        overlapped_moe_forward(tokens, *route(tokens, weights["router"]), experts_fn(None, None, None),
+                               ep_group=group, placement=[EXPERTS] + [1] * (world_size - 1))
+        checks["placement/refused"] = ["a placement over more experts than the router has ran"]
+    except ValueError as exc:
+        checks["placement/refused"] = [] if "placement" in str(exc) else [f"unclear error: {exc}"]
 
     plain_no_grad = run_case(group, weights, tokens, dout, chunks=2, overlap=False)["out"]
     broken = broken_wait_case(group, weights, tokens, dout)
