@@ -15,6 +15,9 @@ plus the largest differences measured, for the record:
   the comparison can fail;
 - ``CommComputeOverlap.run(fwd of micro-batch 1, bwd of micro-batch 0)`` against running them one after
   the other, one and two MoE layers: losses and gradients bitwise, every hook paired;
+- the engine's ``MoE`` block (``ExpertParallel``, with and without a capacity) through
+  ``moe_forward_overlapped``: one chunk bitwise its own forward, more chunks within 1e-6; and
+  ``CommComputeOverlap`` wrapped around its dispatcher, bitwise the sequential pair;
 - the same pair run on two plain threads without the coordinator, one rank's forward and another rank's
   backward delayed, exchanges mismatch and the result differs; with the coordinator it does not.
 """
@@ -31,19 +34,22 @@ import torch.distributed as dist
 
 from hyper_adaptor.parallel.expert import (
     CommComputeOverlap,
+    ExpertParallel,
+    MoE,
     OverlapStats,
+    _overlap,
     all_to_all,
     chunk_order,
     exchange_counts,
     experts_per_rank,
     measure_exposed_comm,
+    moe_forward_overlapped,
     overlapped_moe_forward,
     permute,
     reorder,
     send_splits,
     unpermute,
 )
-from hyper_adaptor.parallel.expert import _overlap
 
 HIDDEN, FFN, EXPERTS, TOPK = 8, 12, 8, 2
 CHUNKS = (1, 2, 3, 4, 16)
@@ -335,6 +341,77 @@ def broken_wait_case(group, weights, tokens, dout):
     return out
 
 
+# ------------------------------------------------------------------------- the engine's MoE block
+def engine_moe(mesh, **options):
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.manual_seed(7)
+    moe = MoE(HIDDEN, FFN, EXPERTS, TOPK, shared_ffn=FFN, aux_loss_coeff=0.01, **options)
+    return parallelize_module(moe, mesh, ExpertParallel())
+
+
+def engine_step(moe, x, dout, chunks):
+    """Output, aux loss and every gradient of one step of the block: its own forward (chunks None) or
+    ``moe_forward_overlapped``."""
+    x = x.clone().requires_grad_()
+    if chunks is None:
+        out, aux = moe(x, return_aux_loss=True)
+    else:
+        out, aux = moe_forward_overlapped(moe, x, chunks=chunks, return_aux_loss=True)
+    ((out * dout).sum() + aux).backward()
+    return dict({n: p.grad.clone() for n, p in moe.named_parameters()}, out=out.detach(), aux=aux.detach(),
+                x=x.grad)
+
+
+def engine_pair(mesh, rank, *, overlapped):
+    """CommComputeOverlap around the block's own dispatcher: forward 0; (backward 0, forward 1); backward 1."""
+    moe = engine_moe(mesh)
+    overlap = CommComputeOverlap(timeout=60) if overlapped else None
+    if overlapped:
+        moe.dispatcher.dispatch = overlap.wrap_dispatch(moe.dispatcher.dispatch)
+        moe.dispatcher.combine = overlap.wrap_combine(moe.dispatcher.combine, is_last_layer=True)
+
+    def loss(m):
+        x = microbatch(rank, m).requires_grad_()
+        return moe(torch.tanh(x)).pow(2).mean()
+
+    loss0, pairs = loss(0), 0
+    if overlapped:
+        loss1 = overlap.run(lambda: loss(1), loss0.backward)
+        pairs = overlap.coordinator.pairs
+        overlap.close()
+    else:
+        loss0.backward()
+        loss1 = loss(1)
+    loss1.backward()
+    return dict({n: p.grad.clone() for n, p in moe.named_parameters()}, loss0=loss0.detach(),
+                loss1=loss1.detach()), pairs
+
+
+def engine_checks(world_size, rank, checks, worst):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    x, dout = make_tokens(rank, seed=3)
+    for name, options in (("dropless", {}), ("capacity", dict(capacity_factor=1.0))):
+        own = engine_step(engine_moe(mesh, **options), x, dout, None)
+        for chunks in (1, 2, 4):
+            got = engine_step(engine_moe(mesh, **options), x, dout, chunks)
+            key = f"engine-moe/{name}/chunks{chunks}"
+            checks[key], worst[key] = compare(got, own, None if chunks == 1 else 1e-6)
+    for options in (dict(capacity_factor=1.0, pad_to_capacity=True),):
+        try:
+            moe_forward_overlapped(engine_moe(mesh, **options), x)
+            checks["engine-moe/padding-refused"] = ["pad_to_capacity was chunked"]
+        except ValueError as exc:
+            checks["engine-moe/padding-refused"] = [] if "pad_to_capacity" in str(exc) else [str(exc)]
+    want, _ = engine_pair(mesh, rank, overlapped=False)
+    got, pairs = engine_pair(mesh, rank, overlapped=True)
+    checks["engine-moe/comm-compute-overlap"], _ = compare(got, want, None)
+    if pairs != 3:
+        checks["engine-moe/comm-compute-overlap"].append(f"{pairs} hooks paired, want 3")
+
+
 # --------------------------------------------------------------------------------------- all
 def overlap_checks(rank: int, world_size: int) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
@@ -385,6 +462,8 @@ def overlap_checks(rank: int, world_size: int) -> dict:
         record(f"comm-compute-overlap/{layers}-layers", compare(got, want, None))
         if pairs != 4 * layers - 1:
             checks[f"comm-compute-overlap/{layers}-layers"].append(f"{pairs} hooks paired, want {4 * layers - 1}")
+
+    engine_checks(world_size, rank, checks, worst)
 
     want = race_reference(group)
     record("race/coordinated", compare(race_pair(group, coordinated=True), want, None))

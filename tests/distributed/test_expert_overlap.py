@@ -3,8 +3,9 @@
 One spawned world per size runs every check (``tests/distributed/expert_overlap_checks.py``, tolerances
 there): the chunked overlapped MoE against the plain path (bitwise at the same chunk count, within 1e-6
 across chunk counts) and the plain path against one process; uneven placement; CommComputeOverlap.run
-against forward and backward one after the other; and the two ways the checks are shown able to fail
-(a wait left out, exchanges issued without the coordinator).
+against forward and backward one after the other; the engine's MoE block through
+``moe_forward_overlapped`` and through CommComputeOverlap around its dispatcher; and the two ways the
+checks are shown able to fail (a wait left out, exchanges issued without the coordinator).
 """
 
 import pytest
@@ -71,3 +72,18 @@ def test_a_missing_wait_is_detected(world):
 def test_measure_exposed_comm(world):
     _, results = world
     assert all(r["measure_ok"] for r in results)
+
+
+@pytest.mark.parametrize("variant", ["dropless", "capacity"])
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_engine_moe_block(world, variant, chunks):
+    # chunks=1 bitwise the block's own forward (AllToAllDispatcher), more chunks within 1e-6
+    _passed(world[1], f"engine-moe/{variant}/chunks{chunks}")
+
+
+def test_engine_moe_refuses_padding(world):
+    _passed(world[1], "engine-moe/padding-refused")
+
+
+def test_comm_compute_overlap_around_the_engine_dispatcher(world):
+    _passed(world[1], "engine-moe/comm-compute-overlap")

@@ -67,14 +67,15 @@ __all__ = [
     "MoE",
 ]
 
-from hyper_adaptor.parallel.expert._overlap import (  # noqa: E402
+from hyper_adaptor.parallel.expert._overlap import (
     CommComputeOverlap,
     HookCoordinator,
     HookRole,
     OverlapStats,
     measure_exposed_comm,
+    moe_forward_overlapped,
     overlapped_moe_forward,
 )
 
 __all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
-            "overlapped_moe_forward"]
+            "moe_forward_overlapped", "overlapped_moe_forward"]

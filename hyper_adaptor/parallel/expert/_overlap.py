@@ -51,8 +51,8 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ from hyper_adaptor.parallel.expert._comm import (
     reorder,
     send_splits,
 )
-from hyper_adaptor.parallel.expert._permute import permute, unpermute
+from hyper_adaptor.parallel.expert._permute import capacity, capacity_mask, permute, unpermute
 
 
 # ------------------------------------------------------------------------------------ statistics
@@ -275,6 +275,37 @@ def overlapped_moe_forward(tokens: torch.Tensor, routing_map: torch.Tensor, prob
         outputs[-1] = unpermute(combining.wait(), pieces[-1][1])
     routed = outputs[0] if chunks == 1 else torch.cat(outputs)
     return routed if shared is None else routed + shared
+
+
+def moe_forward_overlapped(moe, x: torch.Tensor, *, chunks: int = 2, return_aux_loss: bool = False,
+                           stats: OverlapStats | None = None):
+    """``moe(x)`` for a ``MoE`` block sharded by ``ExpertParallel``, through ``overlapped_moe_forward``:
+    the same router, capacity decisions (made on all of this rank's tokens, before chunking), experts and
+    shared expert, with the exchanges overlapped. Expert tensor parallel and padding to capacity are not
+    chunked (their static shapes and extra collectives are per call): those blocks are refused."""
+    dispatcher = moe.dispatcher
+    if dispatcher.ep_group is None:
+        raise ValueError("moe_forward_overlapped: the block has no expert-parallel group; shard it with "
+                         "ExpertParallel first")
+    if dispatcher.etp_group is not None and dist.get_world_size(dispatcher.etp_group) > 1:
+        raise ValueError("moe_forward_overlapped: expert tensor parallel (ExpertTensorParallel) is not chunked; "
+                         "use ExpertParallel, or the block's own forward")
+    if dispatcher.pad_to_capacity:
+        raise ValueError("moe_forward_overlapped: pad_to_capacity=True is not chunked; use the block's own forward")
+    if x.shape[-1] != moe.hidden:
+        raise ValueError(f"moe_forward_overlapped: input's last dimension is {x.shape[-1]}, expected "
+                         f"hidden={moe.hidden}")
+    tokens = x.reshape(-1, moe.hidden)
+    routing_map, probs, scores = moe.route(tokens)
+    moe.aux_loss = moe.load_balancing_loss(routing_map, scores) if moe.aux_loss_coeff > 0 else None
+    if dispatcher.capacity_factor is not None:
+        topk = dispatcher.topk or max(int(routing_map.sum(dim=1).max().item()) if routing_map.numel() else 1, 1)
+        cap = capacity(tokens.shape[0], dispatcher.num_experts, topk, dispatcher.capacity_factor)
+        routing_map = capacity_mask(routing_map, probs, cap, dispatcher.drop_policy)
+    out = overlapped_moe_forward(tokens, routing_map, probs, moe.experts, ep_group=dispatcher.ep_group,
+                                 chunks=chunks, shared_fn=moe.shared_expert, placement=dispatcher.placement,
+                                 stats=stats).view(x.shape)
+    return (out, moe.aux_loss) if return_aux_loss else out
 
 
 def measure_exposed_comm(tokens, routing_map, probs, experts_fn, *, ep_group, chunks=(1, 2, 4), shared_fn=None,
@@ -506,7 +537,7 @@ class CommComputeOverlap:
                 return
             try:
                 task.fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller of run()
+            except BaseException as exc:
                 task.error = exc
             finally:
                 self.coordinator.depart()
@@ -526,7 +557,7 @@ class CommComputeOverlap:
             fwd_error, result = None, None
             try:
                 result = fwd_fn()
-            except BaseException as exc:  # noqa: BLE001 - raised once the backward side ended too
+            except BaseException as exc:
                 fwd_error = exc
             finally:
                 _SIDE.side = previous
@@ -555,4 +586,4 @@ class CommComputeOverlap:
 
 
 __all__ = ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
-           "overlapped_moe_forward"]
+           "moe_forward_overlapped", "overlapped_moe_forward"]
