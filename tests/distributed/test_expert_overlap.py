@@ -87,3 +87,9 @@ def test_engine_moe_refuses_padding(world):
 
 def test_comm_compute_overlap_around_the_engine_dispatcher(world):
     _passed(world[1], "engine-moe/comm-compute-overlap")
+
+
+def test_pipeline_overlap_b_f_pairs_through_comm_compute_overlap(world):
+    # 1F1B overlap_b_f, a Linear + MoE stage (EP over the pipeline replicas on 4 ranks): bitwise the
+    # sequential pairs, every FWD_BWD pair run through CommComputeOverlap.run, every hook paired
+    _passed(world[1], "pipeline/overlap_b_f-pairs")

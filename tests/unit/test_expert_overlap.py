@@ -168,3 +168,11 @@ def test_worker_is_reused_and_errors_come_back():
     assert overlap.run(lambda: 1, lambda: ids.append(threading.get_ident())) == 1
     assert len(set(ids)) == 1
     overlap.close()
+
+
+def test_pipeline_runtime_refuses_a_pair_runner_without_run():
+    from hyper_adaptor.parallel.pipeline import StageLayout
+    from hyper_adaptor.parallel.pipeline.runtime import execute
+
+    with pytest.raises(TypeError, match="comm_compute_overlap must have a run"):
+        execute([], {}, StageLayout(1), comm_compute_overlap=object())
