@@ -21,7 +21,8 @@ Results: ``chunks=1`` does the arithmetic of the plain path in another order of 
 output and gradients are bitwise equal to ``overlap=False``. With more chunks the routed outputs are the
 same sums per token, but the experts' GEMMs run on fewer rows (a BLAS may block them differently) and each
 expert weight's gradient is summed chunk by chunk instead of over all rows at once: equal within float
-rounding, not bitwise.
+rounding, not bitwise. ``moe_forward_overlapped(moe, x, chunks=...)`` runs the engine's ``MoE`` block this
+way; ``OverlapStats`` / ``measure_exposed_comm`` give the time left blocked on communication.
 
 Micro-batch overlap (``CommComputeOverlap``, ``HookCoordinator``, ``HookRole`` — HyperParallel's names).
 ``run(fwd_fn, bwd_fn)`` runs one micro-batch's forward on the calling thread and another's backward on a
@@ -39,7 +40,9 @@ with real collectives: between two meetings at most one thread communicates on t
 rank issues its exchanges in the same order; two ``COMM`` segments meeting each other are run one after
 the other, the forward's first. A ``COMPUTE`` side does not wait for its partner's communication to
 start: on the host only the order among collectives matters, and a compute segment issues none.
-A thread whose function ended departs; the other then runs its remaining hooks alone.
+A thread whose function ended departs; the other then runs its remaining hooks alone. A hook on a
+tensor that needs no gradient has no backward half: later pairs shift by one, still safe (the roles, not
+the pairing, order the exchanges) but hiding less.
 
 No megatron import here.
 """
