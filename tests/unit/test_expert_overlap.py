@@ -183,3 +183,14 @@ def test_measure_refuses_no_steps():
 
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         measure_exposed_comm(*_args(), lambda x, n: x, ep_group=None, steps=0)
+
+
+def test_nested_run_is_refused():
+    overlap = CommComputeOverlap(timeout=5)
+    with pytest.raises(RuntimeError, match="cannot be called from inside"):
+        overlap.run(lambda: overlap.run(lambda: None, lambda: None), lambda: None)
+    with pytest.raises(RuntimeError, match="backward function raised") as info:
+        overlap.run(lambda: None, lambda: overlap.run(lambda: None, lambda: None))
+    assert "cannot be called from inside" in str(info.value.__cause__)
+    assert overlap.run(lambda: 5, lambda: None) == 5
+    overlap.close()

@@ -554,6 +554,8 @@ class CommComputeOverlap:
     def run(self, fwd_fn: Callable, bwd_fn: Callable):
         if not callable(fwd_fn) or not callable(bwd_fn):
             raise TypeError("CommComputeOverlap.run: fwd_fn and bwd_fn must be callables taking no argument")
+        if getattr(_SIDE, "side", None) is not None:  # the worker would wait for itself
+            raise RuntimeError("CommComputeOverlap.run cannot be called from inside fwd_fn or bwd_fn")
         with self._lock:
             if self._worker is None or not self._worker.is_alive():
                 self._worker = threading.Thread(target=self._work, name="expert-overlap-backward", daemon=True)
