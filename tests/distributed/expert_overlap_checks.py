@@ -22,7 +22,8 @@ plus the largest differences measured, for the record:
   ``CommComputeOverlap`` wrapped around its dispatcher, bitwise the sequential pair;
 - the pipeline engine's 1F1B with ``overlap_b_f`` (a Linear + MoE block per stage; expert parallel over
   the pipeline replicas on 4 ranks) with its FWD_BWD pairs run through CommComputeOverlap: bitwise the
-  same pairs run one after the other, every pair through ``run`` and every hook paired;
+  same pairs run one after the other, every pair through ``run`` and every hook paired
+  (``expert_overlap_pipeline.py``);
 - the same pair run on two plain threads without the coordinator, one rank's forward and another rank's
   backward delayed, exchanges mismatch and the result differs; with the coordinator it does not.
 """
