@@ -82,3 +82,16 @@ __all__ = [
     "skewed_load_report",
     "zipf_bias",
 ]
+
+from hyper_adaptor.parallel.expert._overlap import (
+    CommComputeOverlap,
+    HookCoordinator,
+    HookRole,
+    OverlapStats,
+    measure_exposed_comm,
+    moe_forward_overlapped,
+    overlapped_moe_forward,
+)
+
+__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
+            "moe_forward_overlapped", "overlapped_moe_forward"]
