@@ -6,6 +6,17 @@ Primitives (every piece of the engine is built from these):
   router's probabilities), ``capacity`` / ``capacity_mask`` (token dropping) and padding;
 - ``_comm.py``: ``exchange_counts`` (the token-count all-to-all), ``all_to_all`` / ``all_to_all_async``
   (uneven, differentiable), ``chunk_order`` / ``reorder`` (by source rank <-> by local expert).
+
+The engine:
+
+- ``_dispatcher.py``: ``AllToAllDispatcher`` — dropless (or capacity-bounded) dispatch and combine over
+  an expert-parallel group, with expert tensor parallel over a second group and uneven placements;
+- ``_experts.py``: ``GroupedExperts`` (the local experts' SwiGLU / GeLU FFNs through the grouped GEMM)
+  and ``FeedForward`` (a dense FFN: the shared expert);
+- ``moe.py``: ``MoE``, a plain-torch block (router, routed experts, optional shared expert), one
+  process by default;
+- ``style.py``: ``ExpertParallel`` / ``ExpertTensorParallel``, torch ``ParallelStyle``s that shard a
+  ``MoE`` over a 1-D ("ep",) or 2-D ("ep", "tp") device mesh through ``parallelize_module``.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ from hyper_adaptor.parallel.expert._comm import (
     reorder,
     send_splits,
 )
+from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
+from hyper_adaptor.parallel.expert._experts import FeedForward, GroupedExperts
 from hyper_adaptor.parallel.expert._permute import (
     DROP_POLICIES,
     Permutation,
@@ -28,7 +41,28 @@ from hyper_adaptor.parallel.expert._permute import (
     permute,
     unpermute,
 )
+from hyper_adaptor.parallel.expert.moe import MoE
+from hyper_adaptor.parallel.expert.style import ExpertParallel, ExpertTensorParallel
 
-__all__ = ["DROP_POLICIES", "PendingExchange", "Permutation", "all_to_all", "all_to_all_async", "capacity",
-           "capacity_mask", "chunk_order", "exchange_counts", "experts_per_rank", "permute", "reorder", "send_splits",
-           "unpermute"]
+__all__ = [
+    "AllToAllDispatcher",
+    "DROP_POLICIES",
+    "PendingExchange",
+    "Permutation",
+    "all_to_all",
+    "all_to_all_async",
+    "capacity",
+    "capacity_mask",
+    "chunk_order",
+    "exchange_counts",
+    "experts_per_rank",
+    "permute",
+    "reorder",
+    "send_splits",
+    "unpermute",
+    "ExpertParallel",
+    "ExpertTensorParallel",
+    "FeedForward",
+    "GroupedExperts",
+    "MoE",
+]

@@ -1,0 +1,141 @@
+"""The expert-parallel engine on gloo against one process.
+
+The plain ``MoE`` block (8 experts, top-2, a shared expert, SwiGLU, aux loss; fp32) sharded with
+``parallelize_module`` — ``ExpertParallel`` at EP 2 (2 ranks) and EP 4, ``ExpertTensorParallel`` at
+EP 2 x ETP 2 on a 2-D ("ep", "tp") mesh, ``ExpertParallel`` on that mesh (ETP 1), with capacity and
+padding, an uneven placement, sigmoid routing with GeLU experts — against the unsharded block run on
+every rank's tokens (tests/distributed/expert_engine_checks.py): each rank's output, input gradient and
+aux loss, every kept expert weight's gradient (the matching slice of the reference's) and the router's
+and shared expert's gradients (summed over the mesh) agree within 1e-5.
+
+megatron's own all-to-all dispatcher against the engine at one layout is the megatron seam's test
+(it needs megatron's MoELayer around the engine), not this file's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyper_adaptor.testing import run_world
+from tests.distributed import expert_engine_checks as checks
+
+pytestmark = pytest.mark.distributed
+
+TARGET = "tests.distributed.expert_engine_checks:layouts"
+RTOL = ATOL = 1e-5
+
+WORLD2 = {
+    "ep2": dict(ep=2),
+    "ep2-capacity-pad": dict(ep=2, variant="capacity-pad"),
+    "ep2-capacity-position": dict(ep=2, variant="capacity-position"),
+    "ep2-uneven-placement": dict(ep=2, placement=[3, 5]),
+    "ep2-sigmoid-gelu": dict(ep=2, variant="sigmoid-gelu"),
+}
+WORLD4 = {
+    "ep4": dict(ep=4),
+    "ep4-capacity-pad": dict(ep=4, variant="capacity-pad"),
+    "ep2-etp2": dict(ep=2, tp=2, etp=True),
+    "ep2-etp2-capacity-pad": dict(ep=2, tp=2, etp=True, variant="capacity-pad"),
+    "ep2-etp2-uneven-placement": dict(ep=2, tp=2, etp=True, placement=[5, 3]),
+    "ep2-tp2-etp1": dict(ep=2, tp=2),
+}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_world(2, TARGET, timeout=240, runs=WORLD2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_world(4, TARGET, timeout=360, runs=WORLD4)
+
+
+_REFERENCES: dict = {}
+
+
+def reference(world: int, variant: str) -> dict:
+    key = (world, variant)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = checks.reference(world, variant)
+    return _REFERENCES[key]
+
+
+def compare(got: dict, want: dict, rank: int) -> list[str]:
+    """Where one rank's result differs from the single process's."""
+    bad = []
+
+    def check(what, value, expected):
+        if value.shape != expected.shape:
+            bad.append(f"{what}: shape {tuple(value.shape)} vs {tuple(expected.shape)}")
+        elif not torch.allclose(value, expected, rtol=RTOL, atol=ATOL):
+            bad.append(f"{what}: max abs difference {(value - expected).abs().max().item():.3g}")
+
+    check("output", got["out"], want["out"][rank])
+    check("input gradient", got["x_grad"], want["x_grad"][rank])
+    check("aux loss", got["aux"], want["aux"][rank])
+    if set(got["grads"]) != set(want["grads"]):
+        bad.append(f"gradients for {sorted(got['grads'])}, expected {sorted(want['grads'])}")
+    first, count, width, shard = got["first"], got["count"], got["width"], got["shard"]
+    for name, grad in got["grads"].items():
+        expected = want["grads"].get(name)
+        if expected is None:
+            continue
+        if name.startswith("experts."):
+            dim = 2 if name.endswith("w_down") else 1
+            expected = expected[first:first + count].narrow(dim, shard * width, width)
+        check(f"{name} gradient", grad, expected)
+    return bad
+
+
+def _check_world(results: list, runs: dict, world: int, name: str) -> None:
+    layout = runs[name]
+    want = reference(world, layout.get("variant", "base"))
+    for rank, per_rank in enumerate(results):
+        got = per_rank[name]
+        assert not isinstance(got, str), f"rank {rank}: {got[-1500:]}"
+        assert compare(got, want, rank) == [], (rank, name, compare(got, want, rank))
+
+
+@pytest.mark.parametrize("name", list(WORLD2))
+def test_two_ranks_match_one_process(world2, name):
+    _check_world(world2, WORLD2, 2, name)
+
+
+@pytest.mark.parametrize("name", list(WORLD4))
+def test_four_ranks_match_one_process(world4, name):
+    _check_world(world4, WORLD4, 4, name)
+
+
+def test_each_rank_keeps_only_its_experts_and_its_shard(world2, world4):
+    """What the styles leave on each rank: its experts (even or as placed) and, under ETP, half the ffn."""
+    for rank, per_rank in enumerate(world2):
+        assert (per_rank["ep2"]["first"], per_rank["ep2"]["count"]) == [(0, 4), (4, 4)][rank]
+        assert (per_rank["ep2-uneven-placement"]["first"], per_rank["ep2-uneven-placement"]["count"]) == [
+            (0, 3), (3, 5)][rank]
+        assert per_rank["ep2"]["shapes"]["experts.w_gate"] == (4, checks.FFN, checks.HIDDEN)
+    for rank, per_rank in enumerate(world4):
+        assert per_rank["ep4"]["shapes"]["experts.w_down"] == (2, checks.HIDDEN, checks.FFN)
+        got = per_rank["ep2-etp2"]
+        # mesh (ep, tp): rank = 2 * ep_rank + tp_rank
+        assert (got["first"], got["count"], got["shard"]) == (4 * (rank // 2), 4, rank % 2)
+        assert got["shapes"]["experts.w_up"] == (4, checks.FFN // 2, checks.HIDDEN)
+        assert got["shapes"]["experts.w_down"] == (4, checks.HIDDEN, checks.FFN // 2)
+        assert got["shapes"]["router.weight"] == (checks.EXPERTS, checks.HIDDEN)
+
+
+def test_capacity_drops_tokens_in_these_runs():
+    """The capacity layouts test something: the reference with capacity differs from the dropless one."""
+    dropless, capped = reference(2, "base"), reference(2, "capacity-pad")
+    assert not torch.allclose(dropless["out"][0], capped["out"][0], rtol=RTOL, atol=ATOL)
+
+
+def test_the_comparison_sees_one_wrong_expert_gradient(world4):
+    got = dict(world4[1]["ep2-etp2"])
+    grads = dict(got["grads"])
+    grads["experts.w_down"] = grads["experts.w_down"] * 1.001
+    got["grads"] = grads
+    assert [m for m in compare(got, reference(4, "base"), 1) if "w_down" in m]
+    got = dict(world4[1]["ep2-etp2"], shard=0)     # the wrong ETP shard
+    assert compare(got, reference(4, "base"), 1)
