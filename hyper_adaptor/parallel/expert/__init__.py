@@ -66,3 +66,16 @@ __all__ = [
     "GroupedExperts",
     "MoE",
 ]
+
+from hyper_adaptor.parallel.expert._overlap import (
+    CommComputeOverlap,
+    HookCoordinator,
+    HookRole,
+    OverlapStats,
+    measure_exposed_comm,
+    moe_forward_overlapped,
+    overlapped_moe_forward,
+)
+
+__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
+            "moe_forward_overlapped", "overlapped_moe_forward"]

@@ -83,7 +83,8 @@ class PipelineSchedule:
     :func:`schedule_from_actions` builds one from lists of your own."""
 
     def __init__(self, stages, micro_batch_num: int, loss_fn, layout: StageLayout, lists, *,
-                 overlap_p2p: bool = False, args_chunk_spec=None, validated: bool = False):
+                 overlap_p2p: bool = False, args_chunk_spec=None, validated: bool = False,
+                 comm_compute_overlap=None):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if not stages:
             raise ValueError("a schedule needs the stage(s) this rank holds")
@@ -102,6 +103,7 @@ class PipelineSchedule:
         self.all_actions: list[list[MetaStep]] = [list(a) for a in lists]
         self.actions = self.all_actions[self.rank]
         self.overlap_p2p = overlap_p2p
+        self.comm_compute_overlap = comm_compute_overlap  # runs each FWD_BWD pair (see runtime.execute)
         self.args_chunk_spec = args_chunk_spec
         want = sorted(layout.stages_of(self.rank))
         have = sorted(s.stage_index for s in stages)
@@ -157,7 +159,7 @@ class PipelineSchedule:
                 infer_input_shapes(self.stages, self.layout, self.group, self._comm_device)
                 self._shapes_known = True
             execute(self.actions, self.stages, self.layout, self.group, overlap_p2p=self.overlap_p2p,
-                    device=self._comm_device)
+                    device=self._comm_device, comm_compute_overlap=self.comm_compute_overlap)
         finally:
             errors = []
             for s in self.stages.values():
@@ -183,7 +185,7 @@ class _Named(PipelineSchedule):
     _chunks: int | None = 1
 
     def __init__(self, stages, micro_batch_num: int, loss_fn=None, overlap_p2p: bool = False,
-                 overlap_b_f: bool = False, *, args_chunk_spec=None):
+                 overlap_b_f: bool = False, *, args_chunk_spec=None, comm_compute_overlap=None):
         stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if self._chunks is not None and len(stages) != self._chunks:
             raise ValueError(f"{type(self).__name__} holds {self._chunks} stage(s) per rank, got {len(stages)}")
@@ -196,7 +198,7 @@ class _Named(PipelineSchedule):
             kwargs["overlap_b_f"] = True
         layout, lists = build_lists(self._name, ranks, micro_batch_num, len(stages), **kwargs)
         super().__init__(stages, micro_batch_num, loss_fn, layout, lists, overlap_p2p=overlap_p2p,
-                         args_chunk_spec=args_chunk_spec, validated=True)
+                         args_chunk_spec=args_chunk_spec, validated=True, comm_compute_overlap=comm_compute_overlap)
 
 
 class ScheduleGPipe(_Named):

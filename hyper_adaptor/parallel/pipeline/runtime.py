@@ -90,9 +90,10 @@ def warm_up_pairs(layout: StageLayout, group, device: torch.device) -> None:
 class _Step:
     """The state of one execution of one rank's list."""
 
-    def __init__(self, runners, layout: StageLayout, group, overlap_p2p: bool, device):
+    def __init__(self, runners, layout: StageLayout, group, overlap_p2p: bool, device, pair_runner=None):
         self.runners, self.layout, self.group = runners, layout, group
         self.overlap = overlap_p2p
+        self.pair_runner = pair_runner
         self.device = device
         self.me = _group_rank(group) if dist.is_initialized() else 0
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}   # what a stage will read
@@ -126,27 +127,40 @@ class _Step:
             self.outbox[(kind, stage, micro)] = tensor.contiguous()
 
     def compute(self, action: MetaStep) -> None:
+        halves = action.halves()
+        if self.pair_runner is None or len(halves) == 1:
+            for half in halves:
+                self._half(half)
+            return
+        forward, backward = halves
+        try:
+            self.pair_runner.run(lambda: self._half(forward), lambda: self._half(backward))
+        except RuntimeError as exc:  # the backward half's own error, not the overlap's wrapper
+            if isinstance(exc.__cause__, PipelineRuntimeError):
+                raise exc.__cause__ from None
+            raise
+
+    def _half(self, half: MetaStep) -> None:
         last = self.layout.num_stages - 1
-        for half in action.halves():
-            s, m = half.stage_index, half.micro_index
-            runner = self.runners.get(s)
-            if runner is None:
-                raise PipelineRuntimeError(f"pipeline rank {self.me}: {half} is for stage {s}, which this rank "
-                                           f"does not hold (it holds {sorted(self.runners)})")
-            if half.step_type is T.FWD:
-                inp = None if s == 0 else self._take(("F", s, m), half)
-                out = runner.forward(m, inp)
-                if s < last:
-                    self._give("F", s, m, out, s + 1, half)
-            elif half.step_type in (T.BWD, T.BWD_INPUT):
-                grad = None if s == last else self._take(("B", s, m), half)
-                g = runner.backward(m, grad, half.step_type is T.BWD_INPUT)
-                if s > 0:
-                    self._give("B", s, m, g, s - 1, half)
-            elif half.step_type is T.BWD_WEIGHT:
-                runner.backward_weight(m)
-            else:  # pragma: no cover - MetaStep refuses other pairs
-                raise PipelineRuntimeError(f"unknown compute step {half}")
+        s, m = half.stage_index, half.micro_index
+        runner = self.runners.get(s)
+        if runner is None:
+            raise PipelineRuntimeError(f"pipeline rank {self.me}: {half} is for stage {s}, which this rank "
+                                       f"does not hold (it holds {sorted(self.runners)})")
+        if half.step_type is T.FWD:
+            inp = None if s == 0 else self._take(("F", s, m), half)
+            out = runner.forward(m, inp)
+            if s < last:
+                self._give("F", s, m, out, s + 1, half)
+        elif half.step_type in (T.BWD, T.BWD_INPUT):
+            grad = None if s == last else self._take(("B", s, m), half)
+            g = runner.backward(m, grad, half.step_type is T.BWD_INPUT)
+            if s > 0:
+                self._give("B", s, m, g, s - 1, half)
+        elif half.step_type is T.BWD_WEIGHT:
+            runner.backward_weight(m)
+        else:  # pragma: no cover - MetaStep refuses other pairs
+            raise PipelineRuntimeError(f"unknown compute step {half}")
 
     def communicate(self, batch: list[MetaStep]) -> None:
         ops, keys = [], []
@@ -192,13 +206,20 @@ class _Step:
 
 
 def execute(actions: list[MetaStep], runners: dict, layout: StageLayout, group=None, *,
-            overlap_p2p: bool = False, device: torch.device | None = None) -> None:
-    """Run this rank's ``actions`` with ``runners`` (stage index -> StageRunner) over ``group``."""
+            overlap_p2p: bool = False, device: torch.device | None = None, comm_compute_overlap=None) -> None:
+    """Run this rank's ``actions`` with ``runners`` (stage index -> StageRunner) over ``group``.
+
+    ``comm_compute_overlap``: an object with ``run(fwd_fn, bwd_fn)`` (``CommComputeOverlap``); each
+    ``FWD_BWD`` pair's forward and backward then run through it, concurrently, instead of one after the
+    other (its wrapped dispatch / combine order the two halves' expert-parallel exchanges)."""
+    if comm_compute_overlap is not None and not callable(getattr(comm_compute_overlap, "run", None)):
+        raise TypeError("execute: comm_compute_overlap must have a run(fwd_fn, bwd_fn) method (a "
+                        f"CommComputeOverlap), got {type(comm_compute_overlap).__name__}")
     multi_rank = layout.ranks > 1
     if multi_rank:
         device = device or default_device(group)
         warm_up_pairs(layout, group, device)
-    step = _Step(runners, layout, group, overlap_p2p, device)
+    step = _Step(runners, layout, group, overlap_p2p, device, comm_compute_overlap)
     i, n = 0, len(actions)
     while i < n:
         if actions[i].step_type.is_comm:
