@@ -10,9 +10,11 @@ With ``--moe-dispatcher-engine megatron`` (the default) megatron's own dispatche
 The flags around it:
 
 - ``--moe-dispatch-chunks N``: the dispatch / combine of one chunk of tokens in flight while the
-  experts compute another (the engine's chunked overlap); 1 is no chunking.
+  experts compute another (the engine's chunked overlap); 1 is no chunking. Expert tensor parallel and
+  padding to capacity are not chunked (an error naming the flags).
 - megatron's ``--moe-shared-expert-overlap``: served by the engine's dispatcher (megatron hands it the
-  shared expert with ``set_shared_experts``; it is computed while the dispatch is in flight).
+  shared expert with ``set_shared_experts``; it is computed while the dispatch is in flight — with
+  expert tensor parallel or padding to capacity, between the engine's steps in megatron's order).
 - MindSpeed's ``--moe-alltoall-overlap-comm`` (alltoall dispatcher, forward communication hidden under
   expert compute): asks for the engine with its chunked overlap.
 - megatron's ``--overlap-moe-expert-parallel-comm`` (its 1F1B pairing of two micro-batches, on CUDA
@@ -85,8 +87,6 @@ class ExpertParallel(Feature):
         return notices
 
     def validate(self, args) -> None:
-        from hyper_adaptor.patches.expert import dispatcher
-
         n = chunks(args)
         if n < 1:
             raise FeatureConfigError(f"--moe-dispatch-chunks must be >= 1; got {n}")
@@ -103,11 +103,16 @@ class ExpertParallel(Feature):
             why = " (megatron's default)" if kind == "allgather" else ""
             raise FeatureConfigError(f"{asked} serves megatron's all-to-all token dispatcher: add "
                                      f"--moe-token-dispatcher-type alltoall (got {kind}{why})")
-        if n > 1 and not dispatcher.CHUNKED_OVERLAP:
-            raise FeatureConfigError(f"--moe-dispatch-chunks {n}: the engine's chunked overlap is not served yet; "
-                                     "use --moe-dispatch-chunks 1"
-                                     + (" (--moe-alltoall-overlap-comm asks for chunks)"
-                                        if getattr(args, "moe_alltoall_overlap_comm", False) else ""))
+        etp = getattr(args, "expert_tensor_parallel_size", None) \
+            or getattr(args, "tensor_model_parallel_size", 1) or 1  # megatron's default: the TP size
+        if n > 1 and etp > 1:
+            raise FeatureConfigError(f"--moe-dispatch-chunks {n} is not served with expert tensor parallel "
+                                     f"(--expert-tensor-parallel-size {etp}, megatron's default being "
+                                     "--tensor-model-parallel-size): add --expert-tensor-parallel-size 1 or use "
+                                     "--moe-dispatch-chunks 1")
+        if n > 1 and getattr(args, "moe_pad_expert_input_to_capacity", False):
+            raise FeatureConfigError(f"--moe-dispatch-chunks {n} cannot be combined with "
+                                     "--moe-pad-expert-input-to-capacity (chunks keep their sizes dynamic)")
         factor = getattr(args, "moe_expert_capacity_factor", None)
         if factor is not None and not factor > 0:  # also nan
             raise FeatureConfigError(f"--moe-expert-capacity-factor must be > 0 with {asked}; got {factor}")

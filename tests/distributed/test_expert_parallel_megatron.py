@@ -11,10 +11,12 @@ EP 2 (2 ranks), EP 4 and EP 2 x TP 2 with sequence parallel and expert tensor pa
 (4 ranks); with token dropping (probabilities and position policies) with and without padding to
 capacity, a shared expert with and without megatron's ``--moe-shared-expert-overlap`` (served by the
 engine's dispatcher), sigmoid scores with the expert bias and the per-sequence aux loss, top-1 with
-``moe_apply_probs_on_input``, and level 1's grouped GEMM serving megatron's experts. Every engine run
-must have gone through the engine's ``AllToAllDispatcher.dispatch`` (counted), so without the patch
-these tests fail; megatron's own dispatcher runs beside it at the same layouts, its results equal to
-the engine's within the same tolerance.
+``moe_apply_probs_on_input``, the engine's chunked overlap (``--moe-dispatch-chunks`` 2 and 3), and
+level 1's grouped GEMM serving megatron's experts. Every engine run must have gone through the engine's
+entry point for its path (counted: ``AllToAllDispatcher.dispatch``, or ``overlapped_moe_forward`` for
+chunks and for the shared expert computed during the dispatch), so without the patch these tests fail;
+megatron's own dispatcher runs beside it at the same layouts, its results equal to the engine's within
+the same tolerance, and the overlapped schedule equals the plain one within 1e-6.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ OVERLAP = dict(SHARED, moe_shared_expert_overlap=True)
 
 def run(ep, tp=1, etp=1, variant="base", engine=True, overlap=False, **more):
     extra = dict(OVERLAP) if overlap else dict(VARIANTS[variant])
-    return dict(ep=ep, tp=tp, etp=etp, extra=extra, engine=engine, reference=variant, **more)
+    return dict(ep=ep, tp=tp, etp=etp, extra=extra, engine=engine, reference=variant, overlap=overlap, **more)
 
 
 # megatron's own dispatcher first: once the engine (or level 1) is on it stays on in the process
@@ -64,8 +66,13 @@ WORLD2 = {
     "engine-ep2-shared-overlap": run(2, variant="shared", overlap=True),
     "engine-ep2-shared-sigmoid-seq-aux": run(2, variant="shared-sigmoid-seq-aux"),
     "engine-ep2-top1-probs-on-input": run(2, variant="top1-probs-on-input"),
+    "engine-ep2-chunks2": run(2, chunks=2),
+    "engine-ep2-chunks3-drop": run(2, variant="drop", chunks=3),
+    "engine-ep2-chunks2-top1-probs-on-input": run(2, variant="top1-probs-on-input", chunks=2),
     "engine-ep2-grouped-level1": run(2, grouped=True, level=1),
     "engine-ep2-shared-overlap-grouped-level1": run(2, variant="shared", overlap=True, grouped=True, level=1),
+    "engine-ep2-chunks2-shared-overlap-grouped-level1": run(2, variant="shared", overlap=True, grouped=True,
+                                                            level=1, chunks=2),
 }
 WORLD4 = {
     "megatron-ep2-tp2-etp2": run(2, 2, 2, engine=False),
@@ -75,6 +82,9 @@ WORLD4 = {
     "engine-ep2-tp2-etp1": run(2, 2, 1),
     "engine-ep2-tp2-etp2": run(2, 2, 2),
     "engine-ep2-tp2-etp1-shared-overlap": run(2, 2, 1, variant="shared", overlap=True),
+    "engine-ep2-tp2-etp2-shared-overlap": run(2, 2, 2, variant="shared", overlap=True),
+    "engine-ep4-chunks2": run(4, chunks=2),
+    "engine-ep2-tp2-etp1-chunks2-shared-overlap": run(2, 2, 1, variant="shared", overlap=True, chunks=2),
     "engine-ep2-tp2-etp2-shared-sigmoid-seq-aux": run(2, 2, 2, variant="shared-sigmoid-seq-aux"),
     "engine-ep2-tp2-etp2-grouped-level1": run(2, 2, 2, grouped=True, level=1),
 }
@@ -85,7 +95,7 @@ SIDE_BY_SIDE = {"engine-ep2": "megatron-ep2", "engine-ep2-shared-overlap": "mega
 
 
 def _sent(runs: dict) -> dict:
-    return {name: {k: v for k, v in r.items() if k != "reference"} for name, r in runs.items()}
+    return {name: {k: v for k, v in r.items() if k not in ("reference", "overlap")} for name, r in runs.items()}
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +114,22 @@ def world4():
     return run_world(4, f"{TARGET}:layouts", timeout=500, runs=_sent(WORLD4))
 
 
+def _path(spec) -> dict:
+    """Which of the engine's entry points a run must have called (per layer call; one here)."""
+    if not spec["engine"]:
+        return {"dispatch": 0, "overlapped": 0}
+    padded = VARIANTS[spec["reference"]].get("moe_pad_expert_input_to_capacity", False)
+    overlapped = (spec.get("chunks", 1) > 1 or spec["overlap"]) and spec["etp"] == 1 and not padded
+    return {"dispatch": 0 if overlapped else 1, "overlapped": 1 if overlapped else 0}
+
+
 def _check(world, runs, reference, name, size):
     spec = runs[name]
     for rank, results in enumerate(world):
         got = results[name]
         assert not isinstance(got, str), f"rank {rank}: {got[:600]}"
         assert compare(got, reference[spec["reference"]], size // spec["tp"]) == [], (rank, name)
-        engine = spec["engine"]
-        assert (got["engine_dispatches"] > 0) == engine, (rank, name, got["engine_dispatches"])
+        assert got["engine_calls"] == _path(spec), (rank, name, got["engine_calls"])
         grouped = spec.get("level") == 1 and spec["ep"] < 4
         assert (got["grouped_gemm_calls"] > 0) == grouped, (rank, name, got["grouped_gemm_calls"])
 
@@ -137,6 +155,21 @@ def test_the_engine_equals_megatrons_dispatcher_at_the_same_layout(world2, world
         assert ours["grads"].keys() == theirs["grads"].keys()
         for key, grad in ours["grads"].items():
             assert torch.allclose(grad, theirs["grads"][key], rtol=RTOL, atol=ATOL), (rank, engine, key)
+
+
+# overlap on against off: the same sums, launched and waited in another order (and, with chunks, the
+# experts' GEMMs over fewer rows each): equal within float rounding, not bitwise
+OVERLAP_PAIRS = {"engine-ep2-shared-overlap": "engine-ep2-shared", "engine-ep2-chunks2": "engine-ep2"}
+
+
+@pytest.mark.parametrize("overlapped, plain", list(OVERLAP_PAIRS.items()))
+def test_overlap_on_equals_overlap_off(world2, overlapped, plain):
+    for rank, results in enumerate(world2):
+        ours, theirs = results[overlapped], results[plain]
+        for key in ("loss", "out", "x_grad", "router_grad"):
+            assert torch.allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-6), (rank, overlapped, key)
+        for key, grad in ours["grads"].items():
+            assert torch.allclose(grad, theirs["grads"][key], rtol=1e-6, atol=1e-6), (rank, overlapped, key)
 
 
 def test_the_comparison_sees_one_wrong_expert_gradient(world2, reference):

@@ -33,15 +33,17 @@ def test_megatrons_dispatcher_by_default_feature_off():
     assert not feature().requested(args) and not feature().asked_explicitly(args)
 
 
-def test_the_engine_asked_applies_one_replace_of_moe_layers_dispatcher_name():
-    args, notices = _prepare(*MOE, *ENGINE, "--expert-model-parallel-size", "2")
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_engine_asked_replaces_moe_layers_dispatcher_name_and_wraps_its_expert_step(chunks):
+    args, notices = _prepare(*MOE, *ENGINE, "--expert-model-parallel-size", "2", "--moe-dispatch-chunks", str(chunks))
     assert feature().is_enabled(args) and feature().asked_explicitly(args)
     assert not [n for n in notices if "moe" in n]
-    (patch,) = feature().patches(args)
-    assert patch.target == dispatcher.TARGET and patch.kind == "replace" and patch.rebind_in == ()
+    name, experts = feature().patches(args)
+    assert name.target == dispatcher.TARGET and name.kind == "replace" and name.rebind_in == ()
+    assert experts.target == dispatcher.EXPERTS_TARGET and experts.kind == "wrap"
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-    assert issubclass(patch.replacement, MoETokenDispatcher) and patch.replacement.CHUNKS == 1
+    assert issubclass(name.replacement, MoETokenDispatcher) and name.replacement.CHUNKS == chunks
 
 
 @pytest.mark.parametrize("extra", [
@@ -52,6 +54,9 @@ def test_the_engine_asked_applies_one_replace_of_moe_layers_dispatcher_name():
     ("--moe-grouped-gemm",),
     ("--deterministic-mode",),
     ("--bf16",),
+    ("--moe-dispatch-chunks", "4", "--moe-expert-capacity-factor", "1.0"),
+    ("--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+     "--expert-tensor-parallel-size", "1"),
 ])
 def test_served_combinations(extra):
     args, _ = _prepare(*MOE, *ENGINE, *extra)
@@ -68,6 +73,12 @@ def test_served_combinations(extra):
     # chunks
     ((*MOE, *ENGINE, "--moe-dispatch-chunks", "0"), ("--moe-dispatch-chunks", ">= 1")),
     ((*MOE, "--moe-dispatch-chunks", "2"), ("--moe-dispatch-chunks 2", "--moe-dispatcher-engine hyper")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     ("--moe-dispatch-chunks 2", "--expert-tensor-parallel-size 2")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--expert-tensor-parallel-size", "2"),
+     ("--moe-dispatch-chunks 2", "--expert-tensor-parallel-size 2")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--moe-expert-capacity-factor", "1",
+      "--moe-pad-expert-input-to-capacity"), ("--moe-dispatch-chunks 2", "--moe-pad-expert-input-to-capacity")),
     # capacity
     ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "nan"), ("--moe-expert-capacity-factor",)),
     ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "-1"), ("--moe-expert-capacity-factor",)),
@@ -93,17 +104,7 @@ def test_refused_naming_the_flags(flags, named):
         assert name in str(error.value), (name, str(error.value))
 
 
-@pytest.mark.skipif(dispatcher.CHUNKED_OVERLAP, reason="the chunked overlap is served")
-def test_chunks_above_one_are_refused_until_the_overlap_is_served():
-    with pytest.raises(FeatureConfigError, match="--moe-dispatch-chunks 2: .*not served yet"):
-        _prepare(*MOE, *ENGINE, "--moe-dispatch-chunks", "2")
-
-
 def test_mindspeeds_alltoall_overlap_asks_for_the_engine_with_notices():
-    if not dispatcher.CHUNKED_OVERLAP:
-        with pytest.raises(FeatureConfigError, match="--moe-alltoall-overlap-comm"):
-            _prepare(*MOE, "--moe-alltoall-overlap-comm")
-        return
     args, notices = _prepare(*MOE, "--moe-alltoall-overlap-comm")
     assert args.moe_dispatcher_engine == "hyper" and args.moe_dispatch_chunks == 2
     assert any("--moe-dispatcher-engine" in n and "--moe-alltoall-overlap-comm" in n for n in notices)
