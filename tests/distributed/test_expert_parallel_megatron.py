@@ -11,7 +11,7 @@ EP 2 (2 ranks), EP 4 and EP 2 x TP 2 with sequence parallel and expert tensor pa
 (4 ranks); with token dropping (probabilities and position policies) with and without padding to
 capacity, a shared expert with and without megatron's ``--moe-shared-expert-overlap`` (served by the
 engine's dispatcher), sigmoid scores with the expert bias and the per-sequence aux loss, top-1 with
-``moe_apply_probs_on_input``, the engine's chunked overlap (``--moe-dispatch-chunks`` 2 and 3), and
+``moe_apply_probs_on_input``, megatron's selective recompute of the MoE layer, the engine's chunked overlap (``--moe-dispatch-chunks`` 2 and 3), and
 level 1's grouped GEMM serving megatron's experts. Every engine run must have gone through the engine's
 entry point for its path (counted: ``AllToAllDispatcher.dispatch``, or ``overlapped_moe_forward`` for
 chunks and for the shared expert computed during the dispatch), so without the patch these tests fail;
@@ -44,13 +44,15 @@ VARIANTS = {
     "shared": SHARED,
     "shared-sigmoid-seq-aux": LEVEL0_VARIANTS["shared-sigmoid-seq-aux"],
     "top1-probs-on-input": dict(moe_router_topk=1, moe_router_pre_softmax=True, moe_apply_probs_on_input=True),
+    # megatron's selective recompute of the whole MoE layer: dispatch and combine run again in the backward
+    "recompute": dict(SHARED, recompute_granularity="selective", recompute_modules=["moe"]),
 }
 # runs whose config differs from their reference only in how the work is scheduled
 OVERLAP = dict(SHARED, moe_shared_expert_overlap=True)
 
 
 def run(ep, tp=1, etp=1, variant="base", engine=True, overlap=False, **more):
-    extra = dict(OVERLAP) if overlap else dict(VARIANTS[variant])
+    extra = dict(VARIANTS[variant], **(OVERLAP if overlap else {}))
     return dict(ep=ep, tp=tp, etp=etp, extra=extra, engine=engine, reference=variant, overlap=overlap, **more)
 
 
@@ -66,6 +68,8 @@ WORLD2 = {
     "engine-ep2-shared-overlap": run(2, variant="shared", overlap=True),
     "engine-ep2-shared-sigmoid-seq-aux": run(2, variant="shared-sigmoid-seq-aux"),
     "engine-ep2-top1-probs-on-input": run(2, variant="top1-probs-on-input"),
+    "engine-ep2-recompute": run(2, variant="recompute"),
+    "engine-ep2-chunks2-shared-overlap-recompute": run(2, variant="recompute", overlap=True, chunks=2),
     "engine-ep2-chunks2": run(2, chunks=2),
     "engine-ep2-chunks3-drop": run(2, variant="drop", chunks=3),
     "engine-ep2-chunks2-top1-probs-on-input": run(2, variant="top1-probs-on-input", chunks=2),
@@ -115,12 +119,13 @@ def world4():
 
 
 def _path(spec) -> dict:
-    """Which of the engine's entry points a run must have called (per layer call; one here)."""
+    """How often a run must have called each of the engine's entry points (one layer call)."""
     if not spec["engine"]:
         return {"dispatch": 0, "overlapped": 0}
     padded = VARIANTS[spec["reference"]].get("moe_pad_expert_input_to_capacity", False)
     overlapped = (spec.get("chunks", 1) > 1 or spec["overlap"]) and spec["etp"] == 1 and not padded
-    return {"dispatch": 0 if overlapped else 1, "overlapped": 1 if overlapped else 0}
+    calls = 2 if "recompute_modules" in VARIANTS[spec["reference"]] else 1  # forward, and again in the backward
+    return {"dispatch": 0 if overlapped else calls, "overlapped": calls if overlapped else 0}
 
 
 def _check(world, runs, reference, name, size):

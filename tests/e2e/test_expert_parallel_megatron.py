@@ -71,3 +71,22 @@ def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2():
     assert APPLIED not in want_output
     losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, model=MOE_MODEL, timeout=600)
     _matches((want, grad_norms(want_output)), losses, output)
+
+
+def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16():
+    """bf16: the engine weights the expert outputs after the second projection (megatron: the activation
+    before it), so a bf16 rounding lands elsewhere; the losses stay within bf16's precision."""
+    want, want_output = pretrain(2, *COMMON, "--bf16", model=MOE_MODEL)
+    losses, output = pretrain(2, *COMMON, "--bf16", *ENGINE, model=MOE_MODEL)
+    assert APPLIED in output and APPLIED not in want_output
+    assert sorted(losses) == sorted(want) == [1, 2, 3, 4]
+    assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
+
+
+def test_ep2_engine_with_deterministic_mode_repeats_bitwise():
+    flags = [*COMMON, "--deterministic-mode", *ENGINE, "--moe-dispatch-chunks", "2", "--moe-shared-expert-overlap"]
+    first, first_output = pretrain(2, *flags, model=MOE_MODEL)
+    second, second_output = pretrain(2, *flags, model=MOE_MODEL)
+    assert APPLIED in first_output
+    assert sorted(first) == [1, 2, 3, 4] and first == second
+    assert grad_norms(first_output) == grad_norms(second_output)
