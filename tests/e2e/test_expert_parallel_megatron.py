@@ -5,8 +5,8 @@ megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM
 on 2 ranks with hyper_adaptor's token-dispatch engine, against the same command line with megatron's own
 dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and with MindSpeed's
 ``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks); the engine at EP 2 x CP 2
-(4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 against megatron's
-own dispatcher at EP 2 x PP 2.
+(4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
+hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2.
 
 Tolerances: losses 1e-5 relative (fp32; megatron logs 7 significant digits); grad norms 1e-5 relative
 (logged with 4 significant digits, so equal as printed).
@@ -64,13 +64,20 @@ def test_ep2_cp2_engine_matches_the_two_rank_megatron_run(megatron_ep2):
     _matches(megatron_ep2, losses, output)
 
 
-def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2():
-    """Against megatron's own dispatcher at the same layout: a pipeline stage initialises its layers
-    from its own start of the random stream, so PP 2 starts from other weights than PP 1."""
-    want, want_output = pretrain(4, *COMMON, *PP2, model=MOE_MODEL, timeout=600)
-    assert APPLIED not in want_output
-    losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, model=MOE_MODEL, timeout=600)
-    _matches((want, grad_norms(want_output)), losses, output)
+@pytest.fixture(scope="module")
+def megatron_ep2_pp2():
+    """megatron's own dispatcher and 1F1B at EP 2 x PP 2: a pipeline stage initialises its layers from its
+    own start of the random stream, so PP 2 starts from other weights than PP 1."""
+    losses, output = pretrain(4, *COMMON, *PP2, model=MOE_MODEL, timeout=600)
+    assert APPLIED not in output
+    return losses, grad_norms(output)
+
+
+@pytest.mark.parametrize("schedule", [[], ["--pipeline-schedule", "zbh1"]], ids=["1f1b", "zbh1"])
+def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2(megatron_ep2_pp2, schedule):
+    losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, *schedule, model=MOE_MODEL, timeout=600)
+    assert ("pipeline (level 2) applied" in output) == bool(schedule)
+    _matches(megatron_ep2_pp2, losses, output)
 
 
 def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16():
