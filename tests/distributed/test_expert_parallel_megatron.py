@@ -11,12 +11,13 @@ EP 2 (2 ranks), EP 4 and EP 2 x TP 2 with sequence parallel and expert tensor pa
 (4 ranks); with token dropping (probabilities and position policies) with and without padding to
 capacity, a shared expert with and without megatron's ``--moe-shared-expert-overlap`` (served by the
 engine's dispatcher), sigmoid scores with the expert bias and the per-sequence aux loss, top-1 with
-``moe_apply_probs_on_input``, megatron's selective recompute of the MoE layer, the engine's chunked overlap (``--moe-dispatch-chunks`` 2 and 3), and
-level 1's grouped GEMM serving megatron's experts. Every engine run must have gone through the engine's
-entry point for its path (counted: ``AllToAllDispatcher.dispatch``, or ``overlapped_moe_forward`` for
-chunks and for the shared expert computed during the dispatch), so without the patch these tests fail;
-megatron's own dispatcher runs beside it at the same layouts, its results equal to the engine's within
-the same tolerance, and the overlapped schedule equals the plain one within 1e-6.
+``moe_apply_probs_on_input``, megatron's selective recompute of the MoE layer, the engine's chunked
+overlap (``--moe-dispatch-chunks`` 2 and 3), and level 1's grouped GEMM serving megatron's experts.
+Every engine run must have gone through the engine's entry point for its path (counted:
+``AllToAllDispatcher.dispatch``, or ``overlapped_moe_forward`` for chunks and for the shared expert
+computed during the dispatch), so without the patch these tests fail; megatron's own dispatcher runs
+beside it at the same layouts, its results equal to the engine's within the same tolerance, and the
+overlapped schedule equals the plain one within 1e-6.
 """
 
 from __future__ import annotations
