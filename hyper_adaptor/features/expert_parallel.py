@@ -105,13 +105,15 @@ class ExpertParallel(Feature):
                                      f"--moe-token-dispatcher-type alltoall (got {kind}{why})")
         etp = getattr(args, "expert_tensor_parallel_size", None) \
             or getattr(args, "tensor_model_parallel_size", 1) or 1  # megatron's default: the TP size
+        chunked = f"--moe-dispatch-chunks {n}" + (" (asked by --moe-alltoall-overlap-comm)"
+                                                  if getattr(args, "moe_alltoall_overlap_comm", False) else "")
         if n > 1 and etp > 1:
-            raise FeatureConfigError(f"--moe-dispatch-chunks {n} is not served with expert tensor parallel "
+            raise FeatureConfigError(f"{chunked} is not served with expert tensor parallel "
                                      f"(--expert-tensor-parallel-size {etp}, megatron's default being "
                                      "--tensor-model-parallel-size): add --expert-tensor-parallel-size 1 or use "
                                      "--moe-dispatch-chunks 1")
         if n > 1 and getattr(args, "moe_pad_expert_input_to_capacity", False):
-            raise FeatureConfigError(f"--moe-dispatch-chunks {n} cannot be combined with "
+            raise FeatureConfigError(f"{chunked} cannot be combined with "
                                      "--moe-pad-expert-input-to-capacity (chunks keep their sizes dynamic)")
         factor = getattr(args, "moe_expert_capacity_factor", None)
         if factor is not None and not factor > 0:  # also nan

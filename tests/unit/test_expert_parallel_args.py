@@ -79,6 +79,8 @@ def test_served_combinations(extra):
      ("--moe-dispatch-chunks 2", "--expert-tensor-parallel-size 2")),
     ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--moe-expert-capacity-factor", "1",
       "--moe-pad-expert-input-to-capacity"), ("--moe-dispatch-chunks 2", "--moe-pad-expert-input-to-capacity")),
+    ((*MOE, "--moe-alltoall-overlap-comm", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     ("--moe-dispatch-chunks 2 (asked by --moe-alltoall-overlap-comm)", "--expert-tensor-parallel-size 2")),
     # capacity
     ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "nan"), ("--moe-expert-capacity-factor",)),
     ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "-1"), ("--moe-expert-capacity-factor",)),
