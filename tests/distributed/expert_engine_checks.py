@@ -27,13 +27,34 @@ VARIANTS = {
 }
 
 
-def build(variant: str):
+def build(variant: str, seed: int = SEED, **groups):
     from hyper_adaptor.parallel.expert import MoE
 
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     opts = dict(shared_ffn=SHARED, aux_loss_coeff=0.01, activation="swiglu")
     opts.update(VARIANTS[variant])
-    return MoE(HIDDEN, FFN, EXPERTS, TOPK, **opts)
+    return MoE(HIDDEN, FFN, EXPERTS, TOPK, **opts, **groups)
+
+
+def built_sharded(mesh, layout: dict):
+    """The block built with its process groups (only the local experts allocated), then loaded with
+    the matching slices of the full block's weights."""
+    variant = layout.get("variant", "base")
+    ep_group = mesh["ep"].get_group() if mesh.ndim == 2 else mesh.get_group()
+    etp_group = mesh["tp"].get_group() if layout.get("etp") else None
+    model = build(variant, ep_group=ep_group, etp_group=etp_group, placement=layout.get("placement"))
+    full = dict(build(variant).named_parameters())
+    experts = model.experts
+    shard = dist.get_rank(etp_group) if etp_group is not None else 0
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            source = full[name]
+            if name.startswith("experts."):
+                dim = 2 if name.endswith("w_down") else 1
+                source = source[experts.first_expert:experts.first_expert + experts.num_experts]
+                source = source.narrow(dim, shard * experts.ffn, experts.ffn)
+            param.copy_(source)
+    return model
 
 
 def batch(world: int):
@@ -78,9 +99,14 @@ def one_layout(rank: int, world: int, layout: dict) -> dict:
     from hyper_adaptor.parallel.expert import ExpertParallel, ExpertTensorParallel
 
     mesh = _mesh(layout)
-    model = build(layout.get("variant", "base"))
-    style_cls = ExpertTensorParallel if layout.get("etp") else ExpertParallel
-    parallelize_module(model, mesh, style_cls(placement=layout.get("placement")))
+    if layout.get("built_sharded"):
+        model = built_sharded(mesh, layout)
+    else:
+        # "rank_init": every rank initialises differently; the style's broadcast from the mesh's first
+        # rank (src_data_rank=0, parallelize_module's default) must still give the reference's weights
+        model = build(layout.get("variant", "base"), seed=SEED + rank if layout.get("rank_init") else SEED)
+        style_cls = ExpertTensorParallel if layout.get("etp") else ExpertParallel
+        parallelize_module(model, mesh, style_cls(placement=layout.get("placement")))
     tokens, weights = batch(world)
     x = tokens[rank].clone().requires_grad_()
     out, aux = model(x, return_aux_loss=True)
@@ -103,12 +129,56 @@ def one_layout(rank: int, world: int, layout: dict) -> dict:
             "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
 
 
+def against_megatron(rank: int, world: int, ep: int) -> dict:
+    """megatron's ``MoELayer`` with its all-to-all dispatcher (local spec, GeLU experts, softmax top-k
+    router without a balancing loss; tests/distributed/moe_dispatcher_checks.py builds it) and the
+    engine's block with the same weights, on the same tokens at the same EP layout: each rank's
+    (engine, megatron) output, input gradient, router gradient and local expert weight gradients."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyper_adaptor.parallel.expert import ExpertParallel, MoE
+    from tests.distributed import moe_dispatcher_checks as megatron_side
+
+    from megatron.core import parallel_state as ps
+
+    layer = megatron_side._build(ep, 1, 1, "alltoall", False, dict(moe_router_load_balancing_type="none"))
+    x, probe = megatron_side.chunk(rank)
+    x_megatron = x.clone().requires_grad_()
+    out_megatron, _ = layer(x_megatron)
+    (out_megatron * probe).sum().backward()
+    local = layer.experts.local_experts
+    megatron_grads = {"w_up": torch.stack([e.linear_fc1.weight.grad for e in local]),
+                      "w_down": torch.stack([e.linear_fc2.weight.grad for e in local])}
+    router_megatron = layer.router.weight.grad.clone()
+    ps.destroy_model_parallel()
+
+    full = megatron_side.full_weights()
+    # megatron's default router: softmax over the top-k logits, i.e. the top-k softmax scores renormalised
+    moe = MoE(megatron_side.HIDDEN, megatron_side.FFN, megatron_side.EXPERTS, megatron_side.TOPK,
+              activation="gelu", normalize_topk=True)
+    with torch.no_grad():
+        moe.router.weight.copy_(full["router"])
+        moe.experts.w_up.copy_(full["fc1"])
+        moe.experts.w_down.copy_(full["fc2"])
+    parallelize_module(moe, _mesh(dict(ep=ep)), ExpertParallel())
+    x_engine = x.clone().requires_grad_()
+    out_engine = moe(x_engine)
+    (out_engine * probe).sum().backward()
+    return {"output": (out_engine.detach(), out_megatron.detach()),
+            "input gradient": (x_engine.grad, x_megatron.grad),
+            "router gradient": (moe.router.weight.grad, router_megatron),
+            **{f"{n} gradient": (moe.experts.projections()[n].grad, g) for n, g in megatron_grads.items()}}
+
+
 def layouts(rank: int, world: int, runs: dict) -> dict:
     dist.init_process_group("gloo")
     results = {}
     for name, layout in runs.items():
         try:
-            results[name] = one_layout(rank, world, layout)
+            if layout.get("megatron"):
+                results[name] = against_megatron(rank, world, layout["ep"])
+            else:
+                results[name] = one_layout(rank, world, layout)
         except Exception:
             # a layout that fails on every rank fails alone; one that fails on some ranks only would
             # leave the others waiting in a collective, which the world's timeout turns into a failure

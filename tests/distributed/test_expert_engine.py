@@ -3,13 +3,14 @@
 The plain ``MoE`` block (8 experts, top-2, a shared expert, SwiGLU, aux loss; fp32) sharded with
 ``parallelize_module`` — ``ExpertParallel`` at EP 2 (2 ranks) and EP 4, ``ExpertTensorParallel`` at
 EP 2 x ETP 2 on a 2-D ("ep", "tp") mesh, ``ExpertParallel`` on that mesh (ETP 1), with capacity and
-padding, an uneven placement, sigmoid routing with GeLU experts — against the unsharded block run on
+padding, an uneven placement, sigmoid routing with GeLU experts, and the block built sharded from
+the start (``MoE(..., ep_group=, etp_group=)``) — against the unsharded block run on
 every rank's tokens (tests/distributed/expert_engine_checks.py): each rank's output, input gradient and
 aux loss, every kept expert weight's gradient (the matching slice of the reference's) and the router's
 and shared expert's gradients (summed over the mesh) agree within 1e-5.
 
-megatron's own all-to-all dispatcher against the engine at one layout is the megatron seam's test
-(it needs megatron's MoELayer around the engine), not this file's.
+And the engine against megatron-core's own ``MoELayer`` with its all-to-all dispatcher at EP 2 and EP 4
+(same weights, same tokens per rank): output, input, router and expert gradients within 1e-5.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ WORLD2 = {
     "ep2-capacity-position": dict(ep=2, variant="capacity-position"),
     "ep2-uneven-placement": dict(ep=2, placement=[3, 5]),
     "ep2-sigmoid-gelu": dict(ep=2, variant="sigmoid-gelu"),
+    "ep2-vs-megatron-alltoall": dict(ep=2, megatron=True),
+    "ep2-built-sharded-uneven-placement": dict(ep=2, built_sharded=True, placement=[3, 5]),
+    "ep2-rank-init-broadcast": dict(ep=2, rank_init=True),
 }
 WORLD4 = {
     "ep4": dict(ep=4),
@@ -39,6 +43,9 @@ WORLD4 = {
     "ep2-etp2-capacity-pad": dict(ep=2, tp=2, etp=True, variant="capacity-pad"),
     "ep2-etp2-uneven-placement": dict(ep=2, tp=2, etp=True, placement=[5, 3]),
     "ep2-tp2-etp1": dict(ep=2, tp=2),
+    "ep4-vs-megatron-alltoall": dict(ep=4, megatron=True),
+    "ep2-etp2-built-sharded-capacity-pad": dict(ep=2, tp=2, etp=True, built_sharded=True, variant="capacity-pad"),
+    "ep2-etp2-rank-init-broadcast": dict(ep=2, tp=2, etp=True, rank_init=True),
 }
 
 
@@ -98,14 +105,36 @@ def _check_world(results: list, runs: dict, world: int, name: str) -> None:
         assert compare(got, want, rank) == [], (rank, name, compare(got, want, rank))
 
 
-@pytest.mark.parametrize("name", list(WORLD2))
+def _engine(runs: dict) -> list:
+    return [name for name, layout in runs.items() if not layout.get("megatron")]
+
+
+@pytest.mark.parametrize("name", _engine(WORLD2))
 def test_two_ranks_match_one_process(world2, name):
     _check_world(world2, WORLD2, 2, name)
 
 
-@pytest.mark.parametrize("name", list(WORLD4))
+@pytest.mark.parametrize("name", _engine(WORLD4))
 def test_four_ranks_match_one_process(world4, name):
     _check_world(world4, WORLD4, 4, name)
+
+
+def against_megatron(results: list, name: str) -> list[str]:
+    bad = []
+    for rank, per_rank in enumerate(results):
+        got = per_rank[name]
+        if isinstance(got, str):
+            return [f"rank {rank}: {got[-1500:]}"]
+        for what, (engine, megatron) in got.items():
+            if engine.shape != megatron.shape or not torch.allclose(engine, megatron, rtol=RTOL, atol=ATOL):
+                bad.append(f"rank {rank} {what}: engine {tuple(engine.shape)} vs megatron {tuple(megatron.shape)}, "
+                           f"max abs difference {(engine - megatron).abs().max().item():.3g}")
+    return bad
+
+
+def test_engine_matches_megatrons_alltoall_dispatcher(world2, world4):
+    assert against_megatron(world2, "ep2-vs-megatron-alltoall") == []
+    assert against_megatron(world4, "ep4-vs-megatron-alltoall") == []
 
 
 def test_each_rank_keeps_only_its_experts_and_its_shard(world2, world4):

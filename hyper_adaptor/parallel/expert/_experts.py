@@ -41,8 +41,8 @@ class GroupedExperts(nn.Module):
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()
         _ffn_check(hidden, ffn, activation)
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        if num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {num_experts}")
         self.num_experts, self.hidden, self.ffn, self.activation = num_experts, hidden, ffn, activation
         self.first_expert = 0
         factory = dict(dtype=dtype, device=device)

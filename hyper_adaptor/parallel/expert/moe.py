@@ -1,6 +1,9 @@
 """A plain-torch mixture-of-experts block: router, routed experts, optional shared expert.
 
-Single-process by default; ``ExpertParallel`` / ``ExpertTensorParallel`` (style.py) shard it in place.
+Single-process by default; ``ExpertParallel`` / ``ExpertTensorParallel`` (style.py) shard it in place,
+or it is built sharded from the start by passing ``ep_group`` (and ``etp_group``): then only the local
+experts (and their ffn shard) are ever allocated, which is what a model too big for one rank needs
+(their initial values then come from each rank's own RNG, not from slicing one full initialisation).
 Both cases run the same code: the block always goes through an ``AllToAllDispatcher`` — without a
 process group it exchanges nothing — so the single-process block is the exact reference of the
 sharded one (same permutation, same capacity decisions, same sums in the same order per token).
@@ -17,6 +20,7 @@ computes it from its own tokens (a per-micro-batch loss, as megatron's default `
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
@@ -35,12 +39,14 @@ class MoE(nn.Module):
     Submodules: ``router`` (``nn.Linear(hidden, num_experts)``, no bias), ``experts``
     (``GroupedExperts``), ``shared_expert`` (``FeedForward`` or None), and the attribute
     ``dispatcher``, which the styles replace with one bound to their process groups.
+    ``ep_group`` / ``etp_group`` / ``placement``: build the block already sharded (see the module doc).
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, shared_ffn: int | None = None,
                  activation: str = "swiglu", *, score_function: str = "softmax", normalize_topk: bool | None = None,
                  aux_loss_coeff: float = 0.0, capacity_factor: float | None = None, pad_to_capacity: bool = False,
-                 drop_policy: str = "probs", dtype: torch.dtype | None = None, device=None):
+                 drop_policy: str = "probs", ep_group=None, etp_group=None, placement: list[int] | None = None,
+                 dtype: torch.dtype | None = None, device=None):
         super().__init__()
         if score_function not in SCORE_FUNCTIONS:
             raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
@@ -52,12 +58,17 @@ class MoE(nn.Module):
         self.score_function = score_function
         self.normalize_topk = (score_function == "sigmoid") if normalize_topk is None else normalize_topk
         self.aux_loss_coeff = aux_loss_coeff
+        self.dispatcher = AllToAllDispatcher(num_experts, ep_group, etp_group=etp_group,
+                                             capacity_factor=capacity_factor, pad_to_capacity=pad_to_capacity,
+                                             drop_policy=drop_policy, topk=topk, placement=placement)
+        shards = 1 if etp_group is None else dist.get_world_size(etp_group)
+        if ffn % shards:
+            raise ValueError(f"MoE: ffn={ffn} does not divide over the expert tensor parallel group of {shards}")
         factory = dict(dtype=dtype, device=device)
         self.router = nn.Linear(hidden, num_experts, bias=False, **factory)
-        self.experts = GroupedExperts(num_experts, hidden, ffn, activation, **factory)
+        self.experts = GroupedExperts(self.dispatcher.local_experts, hidden, ffn // shards, activation, **factory)
+        self.experts.first_expert = self.dispatcher.first_expert
         self.shared_expert = FeedForward(hidden, shared_ffn, activation, **factory) if shared_ffn else None
-        self.dispatcher = AllToAllDispatcher(num_experts, None, capacity_factor=capacity_factor,
-                                             pad_to_capacity=pad_to_capacity, drop_policy=drop_policy, topk=topk)
         self.aux_loss: torch.Tensor | None = None
 
     def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
