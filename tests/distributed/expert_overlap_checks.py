@@ -9,6 +9,8 @@ plus the largest differences measured, for the record:
   MoE (every rank's tokens, every expert, no communication): outputs and gradients within 1e-5;
 - ``overlap=True`` against ``overlap=False`` at the same chunk count: bitwise (the same arithmetic, only
   launches and waits move);
+- with 4 chunks two or more exchanges are in flight at once in the forward and in the backward, never
+  more than one without overlap;
 - 2, 3, 4 and more chunks than tokens against one chunk: within 1e-6 (the experts' GEMMs see fewer rows
   and weight gradients are summed chunk by chunk);
 - a forward that reads an exchange before waiting for it (one rank late to send) gives a different result:
@@ -344,6 +346,34 @@ def broken_wait_case(group, weights, tokens, dout):
     return out
 
 
+# ------------------------------------------------------------------- exchanges really in flight
+def in_flight_case(group, weights, tokens, dout, *, chunks, overlap):
+    """The most exchanges started and not yet waited for at once, in the forward and in the backward."""
+    real_await, real_exchange = _overlap._await, _overlap._exchange
+    count, peak, phase = [0], {"forward": 0, "backward": 0}, ["forward"]
+
+    def counting_exchange(x, out_splits, in_splits, grp, async_op):
+        out, handle = real_exchange(x, out_splits, in_splits, grp, async_op)
+        if handle is not None:
+            count[0] += 1
+            peak[phase[0]] = max(peak[phase[0]], count[0])
+        return out, handle
+
+    def counting_await(handle, stats, backward):
+        if backward:
+            phase[0] = "backward"
+        if handle is not None:
+            count[0] -= 1
+        real_await(handle, stats, backward)
+
+    _overlap._await, _overlap._exchange = counting_await, counting_exchange
+    try:
+        run_case(group, weights, tokens, dout, chunks=chunks, overlap=overlap, shared=True)
+    finally:
+        _overlap._await, _overlap._exchange = real_await, real_exchange
+    return peak
+
+
 # ------------------------------------------------------------------------- the engine's MoE block
 def engine_moe(mesh, **options):
     from torch.distributed.tensor.parallel import parallelize_module
@@ -519,6 +549,12 @@ def overlap_checks(rank: int, world_size: int) -> dict:
             checks[f"launches/chunks{chunks}/{tag}"] = (
                 [] if stats.launches == 4 * chunks else [f"{stats.launches} exchanges, want {4 * chunks}"])
 
+    for chunks, overlap, want in ((4, True, 2), (4, False, 1), (1, False, 1)):
+        peak = in_flight_case(group, weights, tokens, dout, chunks=chunks, overlap=overlap)
+        name = f"in-flight/chunks{chunks}/{'overlap' if overlap else 'plain'}"
+        checks[name] = [f"{phase}: at most {n} exchanges in flight, want {'>= ' if overlap else ''}{want}"
+                        for phase, n in peak.items() if (n < want if overlap else n != want)]
+
     placement = PLACEMENTS[world_size]
     got = run_case(group, weights, tokens, dout, chunks=2, shared=True, placement=placement)
     record("placement/overlap-vs-single-process",
@@ -562,24 +598,22 @@ def overlap_checks(rank: int, world_size: int) -> dict:
 
 def exposed_comm(rank: int, world_size: int, tokens: int = 4096, hidden: int = 256, ffn: int = 512,
                  experts: int = 8, topk: int = 2, chunks=(2, 4), steps: int = 5, shared: bool = True) -> list:
-    """Exposed communication with and without overlap (``measure_exposed_comm``) on a bigger MoE."""
+    """Exposed communication with and without overlap (``measure_exposed_comm``) on the engine's experts
+    (``GroupedExperts``, SwiGLU, E / P per rank) and a ``FeedForward`` shared expert, softmax top-k routing
+    of ``tokens`` random tokens per rank."""
+    from hyper_adaptor.parallel.expert import FeedForward, GroupedExperts
+
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
     group = dist.group.WORLD
-    g = torch.Generator().manual_seed(0)
-    local = experts // world_size
-    w = [(torch.randn(local, hidden, ffn, generator=g) / hidden ** 0.5).requires_grad_(),
-         (torch.randn(local, hidden, ffn, generator=g) / hidden ** 0.5).requires_grad_(),
-         (torch.randn(local, ffn, hidden, generator=g) / ffn ** 0.5).requires_grad_()]
-    s = [(torch.randn(hidden, ffn, generator=g) / hidden ** 0.5).requires_grad_(),
-         (torch.randn(hidden, ffn, generator=g) / hidden ** 0.5).requires_grad_(),
-         (torch.randn(ffn, hidden, generator=g) / ffn ** 0.5).requires_grad_()]
-    router = torch.randn(hidden, experts, generator=g)
+    torch.manual_seed(0)
+    local = GroupedExperts(experts // world_size, hidden, ffn)
+    shared_fn = FeedForward(hidden, ffn) if shared else None
+    router = torch.randn(hidden, experts)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank + 1)).requires_grad_()
     scores = torch.softmax(x.detach() @ router, dim=-1)
     top = scores.topk(topk, dim=-1).indices
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-    rows = measure_exposed_comm(x, routing_map, scores * routing_map, experts_fn(*w), ep_group=group,
-                                chunks=tuple(chunks), shared_fn=(lambda t: swiglu(t, *s)) if shared else None,
-                                steps=steps)
+    rows = measure_exposed_comm(x, routing_map, scores * routing_map, local, ep_group=group, chunks=tuple(chunks),
+                                shared_fn=shared_fn, steps=steps)
     dist.barrier()
     return rows

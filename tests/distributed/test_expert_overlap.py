@@ -93,3 +93,9 @@ def test_pipeline_overlap_b_f_pairs_through_comm_compute_overlap(world):
     # 1F1B overlap_b_f, a Linear + MoE stage (EP over the pipeline replicas on 4 ranks): bitwise the
     # sequential pairs, every FWD_BWD pair run through CommComputeOverlap.run, every hook paired
     _passed(world[1], "pipeline/overlap_b_f-pairs")
+
+
+@pytest.mark.parametrize("case", ["chunks4/overlap", "chunks4/plain", "chunks1/plain"])
+def test_exchanges_in_flight(world, case):
+    # overlapped: a dispatch and a combine (forward) / two reverse exchanges (backward) at once
+    _passed(world[1], f"in-flight/{case}")

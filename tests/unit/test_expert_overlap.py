@@ -176,3 +176,10 @@ def test_pipeline_runtime_refuses_a_pair_runner_without_run():
 
     with pytest.raises(TypeError, match="comm_compute_overlap must have a run"):
         execute([], {}, StageLayout(1), comm_compute_overlap=object())
+
+
+def test_measure_refuses_no_steps():
+    from hyper_adaptor.parallel.expert import measure_exposed_comm
+
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        measure_exposed_comm(*_args(), lambda x, n: x, ep_group=None, steps=0)

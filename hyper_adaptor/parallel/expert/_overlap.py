@@ -21,7 +21,8 @@ Results: ``chunks=1`` does the arithmetic of the plain path in another order of 
 output and gradients are bitwise equal to ``overlap=False``. With more chunks the routed outputs are the
 same sums per token, but the experts' GEMMs run on fewer rows (a BLAS may block them differently) and each
 expert weight's gradient is summed chunk by chunk instead of over all rows at once: equal within float
-rounding, not bitwise.
+rounding, not bitwise. ``moe_forward_overlapped(moe, x, chunks=...)`` runs the engine's ``MoE`` block this
+way; ``OverlapStats`` / ``measure_exposed_comm`` give the time left blocked on communication.
 
 Micro-batch overlap (``CommComputeOverlap``, ``HookCoordinator``, ``HookRole`` — HyperParallel's names).
 ``run(fwd_fn, bwd_fn)`` runs one micro-batch's forward on the calling thread and another's backward on a
@@ -39,7 +40,9 @@ with real collectives: between two meetings at most one thread communicates on t
 rank issues its exchanges in the same order; two ``COMM`` segments meeting each other are run one after
 the other, the forward's first. A ``COMPUTE`` side does not wait for its partner's communication to
 start: on the host only the order among collectives matters, and a compute segment issues none.
-A thread whose function ended departs; the other then runs its remaining hooks alone.
+A thread whose function ended departs; the other then runs its remaining hooks alone. A hook on a
+tensor that needs no gradient has no backward half: later pairs shift by one, still safe (the roles, not
+the pairing, order the exchanges) but hiding less.
 
 No megatron import here.
 """
@@ -312,12 +315,15 @@ def measure_exposed_comm(tokens, routing_map, probs, experts_fn, *, ep_group, ch
                          steps: int = 5, backward: bool = True) -> list[dict]:
     """Time forward (+ backward) steps of ``overlapped_moe_forward`` without overlap (chunks 1) and with
     overlap for each of ``chunks``; per mode: median step seconds and median seconds blocked on
-    communication (exposed), over ``steps`` steps after one warm-up step. Ranks are aligned by a
-    barrier before each step. Gradients accumulate into whatever ``experts_fn`` / ``shared_fn`` hold."""
-    rows = []
-    for overlap, c in [(False, 1)] + [(True, c) for c in chunks]:
-        step_times, exposed = [], []
-        for step in range(steps + 1):
+    communication (exposed). The modes take turns step by step (a warm-up round first, then ``steps``
+    rounds), so a machine whose load drifts penalises none of them; ranks are aligned by a barrier
+    before each step. Gradients accumulate into whatever ``experts_fn`` / ``shared_fn`` hold."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"measure_exposed_comm: steps must be an integer >= 1, got {steps!r}")
+    modes = [(False, 1)] + [(True, c) for c in chunks]
+    step_times, exposed = {m: [] for m in modes}, {m: [] for m in modes}
+    for step in range(steps + 1):
+        for overlap, c in modes:
             stats = OverlapStats()
             dist.barrier(group=ep_group)
             start = time.perf_counter()
@@ -326,9 +332,11 @@ def measure_exposed_comm(tokens, routing_map, probs, experts_fn, *, ep_group, ch
             if backward and out.requires_grad:
                 out.sum().backward()
             if step:
-                step_times.append(time.perf_counter() - start)
-                exposed.append(stats.wait_s)
-        step_s, exposed_s = statistics.median(step_times), statistics.median(exposed)
+                step_times[(overlap, c)].append(time.perf_counter() - start)
+                exposed[(overlap, c)].append(stats.wait_s)
+    rows = []
+    for overlap, c in modes:
+        step_s, exposed_s = statistics.median(step_times[(overlap, c)]), statistics.median(exposed[(overlap, c)])
         rows.append(dict(mode="overlap" if overlap else "plain", chunks=c, step_s=step_s, exposed_comm_s=exposed_s,
                          exposed_fraction=exposed_s / step_s if step_s else 0.0))
     return rows
