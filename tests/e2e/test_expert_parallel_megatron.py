@@ -4,7 +4,8 @@ A GPT-MoE as a user would write it — 8 experts, top-2, a shared expert, RMSNor
 megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM) — at expert parallel 2
 on 2 ranks with hyper_adaptor's token-dispatch engine, against the same command line with megatron's own
 dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and with MindSpeed's
-``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks); the engine at EP 2 x CP 2
+``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks), under megatron's selective
+recompute of the MoE layer and hyper_adaptor's activation swap; the engine at EP 2 x CP 2
 (4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
 hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2.
 
@@ -48,10 +49,14 @@ def _matches(want, losses, output):
     assert all(_close(norms[i], want_norms[i]) for i in want_norms), (norms, want_norms)
 
 
-@pytest.mark.parametrize("extra", [[], ["--moe-shared-expert-overlap"], ["--moe-alltoall-overlap-comm"]],
-                         ids=["engine", "engine-shared-overlap", "mindspeed-alltoall-overlap-comm"])
+@pytest.mark.parametrize("extra", [
+    [], ["--moe-shared-expert-overlap"], ["--moe-alltoall-overlap-comm"],
+    ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+    ["--swap-attention", "--moe-dispatch-chunks", "2"],
+], ids=["engine", "engine-shared-overlap", "mindspeed-alltoall-overlap-comm", "recompute-moe", "swap-chunks2"])
 def test_ep2_engine_matches_megatrons_dispatcher(megatron_ep2, extra):
     losses, output = pretrain(2, *COMMON, *ENGINE, *extra, model=MOE_MODEL)
+    assert ("swap (level 2) applied" in output) == ("--swap-attention" in extra)
     _matches(megatron_ep2, losses, output)
 
 
