@@ -6,6 +6,7 @@ from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, Fea
 from hyper_adaptor.features.compat import Compat
 from hyper_adaptor.features.context_parallel import ContextParallel
 from hyper_adaptor.features.determinism import Determinism
+from hyper_adaptor.features.expert_parallel import ExpertParallel
 from hyper_adaptor.features.flash_attn import FlashAttention
 from hyper_adaptor.features.fused_backend import FusedBackend
 from hyper_adaptor.features.fused_rmsnorm import FusedRMSNorm
@@ -35,6 +36,7 @@ FEATURES: tuple[Feature, ...] = (
     GradAccumFusion(),
     MoEGroupedGEMM(),
     ContextParallel(),
+    ExpertParallel(),
     HSDP(),
     Pipeline(),
     Swap(),

@@ -120,6 +120,13 @@ BAD = [
     case("--use-hsdp --hsdp-bucket-size-kb inf", "--hsdp-bucket-size-kb"),
     case("--use-hsdp --hsdp-threshold-kb nan", "--hsdp-threshold-kb"),
     case("--fine-grained-activation-offloading", "--offload-modules"),
+    case("--moe-dispatcher-engine bogus", "--moe-dispatcher-engine"),
+    case("--moe-dispatch-chunks x", "--moe-dispatch-chunks"),
+    case("--num-experts 4 --moe-dispatcher-engine hyper", "--moe-token-dispatcher-type", *MODEL),
+    case("--num-experts 4 --moe-token-dispatcher-type alltoall --moe-dispatcher-engine hyper "
+         "--overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm", *MODEL),
+    case("--num-experts 4 --moe-token-dispatcher-type alltoall --moe-dispatcher-engine hyper --moe-dispatch-chunks 0",
+         "--moe-dispatch-chunks", *MODEL),
     # environment variables describe reads when it runs
     case("--profile --profile-ranks 5", "--profile-ranks", env={"WORLD_SIZE": "4"}),
     case("--tensor-model-parallel-size 2", "WORLD_SIZE", env={"WORLD_SIZE": "3"}),
@@ -133,6 +140,8 @@ GOOD = [
     case("--use-hsdp --hsdp-shard-size 2 --world-size 4", "", *MODEL),
     case("--pipeline-model-parallel-size 2 --pipeline-schedule 1f1b --world-size 2", "", *MODEL),
     case("--global-batch-size 8 --world-size 2 --context-parallel-size 2 --attention-dropout 0", "", *MODEL),
+    case("--num-experts 4 --moe-token-dispatcher-type alltoall --moe-dispatcher-engine hyper "
+         "--expert-model-parallel-size 2 --world-size 2", "", *MODEL),
 ]
 
 # One process runs every describe line: exit status and output of each, as JSON on the last line.

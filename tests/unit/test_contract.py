@@ -44,6 +44,7 @@ COMMAND_LINES = {
     # layers (--recompute-activation-function wraps the MLP those would swap whole)
     "ddp": EVERY + (
         "--bf16", "--pipeline-schedule", "zbv", "--fine-grained-activation-offloading",
+        "--moe-token-dispatcher-type", "alltoall", "--moe-dispatcher-engine", "hyper",
         "--offload-modules", "attn_norm", "core_attn", "--recompute-activation-function"),
 }
 KEBAB = re.compile(r"^--[a-z0-9]+(-[a-z0-9]+)*$")

@@ -1,0 +1,104 @@
+"""--moe-dispatcher-engine hyper through megatron.training (examples/pretrain_gpt.py, torchrun, CPU processes).
+
+A GPT-MoE as a user would write it — 8 experts, top-2, a shared expert, RMSNorm, SwiGLU, aux-loss router,
+megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM) — at expert parallel 2
+on 2 ranks with hyper_adaptor's token-dispatch engine, against the same command line with megatron's own
+dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and with MindSpeed's
+``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks), under megatron's selective
+recompute of the MoE layer and hyper_adaptor's activation swap; the engine at EP 2 x CP 2
+(4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
+hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2.
+
+Tolerances: losses 1e-5 relative (fp32; megatron logs 7 significant digits); grad norms 1e-5 relative
+(logged with 4 significant digits, so equal as printed).
+"""
+
+import pytest
+
+from tests.e2e.test_pretrain_gpt import MODEL, grad_norms, pretrain
+
+pytestmark = pytest.mark.e2e
+
+MOE_MODEL = [*MODEL, "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+             "--position-embedding-type", "rope", "--hidden-dropout", "0.0", "--attention-dropout", "0.0",
+             "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+             "--moe-shared-expert-intermediate-size", "64", "--moe-aux-loss-coeff", "1e-2",
+             "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm", "--expert-model-parallel-size", "2"]
+COMMON = ["--mock-data", "--num-workers", "0", "--train-iters", "4"]
+ENGINE = ["--moe-dispatcher-engine", "hyper"]
+APPLIED = "expert_parallel (level 2) applied"
+
+
+def _close(a: float, b: float, rtol: float = 1e-5) -> bool:
+    return abs(a - b) <= rtol * abs(b)
+
+
+@pytest.fixture(scope="module")
+def megatron_ep2():
+    losses, output = pretrain(2, *COMMON, model=MOE_MODEL)
+    assert APPLIED not in output
+    return losses, grad_norms(output)
+
+
+def _matches(want, losses, output):
+    want_losses, want_norms = want
+    assert APPLIED in output, output[-3000:]
+    assert sorted(losses) == sorted(want_losses) == [1, 2, 3, 4]
+    norms = grad_norms(output)
+    assert all(_close(losses[i], want_losses[i]) for i in want_losses), (losses, want_losses)
+    assert all(_close(norms[i], want_norms[i]) for i in want_norms), (norms, want_norms)
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--moe-shared-expert-overlap"], ["--moe-alltoall-overlap-comm"],
+    ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
+    ["--swap-attention", "--moe-dispatch-chunks", "2"],
+], ids=["engine", "engine-shared-overlap", "mindspeed-alltoall-overlap-comm", "recompute-moe", "swap-chunks2"])
+def test_ep2_engine_matches_megatrons_dispatcher(megatron_ep2, extra):
+    losses, output = pretrain(2, *COMMON, *ENGINE, *extra, model=MOE_MODEL)
+    assert ("swap (level 2) applied" in output) == ("--swap-attention" in extra)
+    _matches(megatron_ep2, losses, output)
+
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2", "--context-parallel-algo", "megatron_cp_algo"]
+
+
+def test_ep2_cp2_engine_matches_the_two_rank_megatron_run(megatron_ep2):
+    losses, output = pretrain(4, *COMMON, *ENGINE, *CP2, model=MOE_MODEL, timeout=600)
+    _matches(megatron_ep2, losses, output)
+
+
+@pytest.fixture(scope="module")
+def megatron_ep2_pp2():
+    """megatron's own dispatcher and 1F1B at EP 2 x PP 2: a pipeline stage initialises its layers from its
+    own start of the random stream, so PP 2 starts from other weights than PP 1."""
+    losses, output = pretrain(4, *COMMON, *PP2, model=MOE_MODEL, timeout=600)
+    assert APPLIED not in output
+    return losses, grad_norms(output)
+
+
+@pytest.mark.parametrize("schedule", [[], ["--pipeline-schedule", "zbh1"]], ids=["1f1b", "zbh1"])
+def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2(megatron_ep2_pp2, schedule):
+    losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, *schedule, model=MOE_MODEL, timeout=600)
+    assert ("pipeline (level 2) applied" in output) == bool(schedule)
+    _matches(megatron_ep2_pp2, losses, output)
+
+
+def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16():
+    """bf16: the engine weights the expert outputs after the second projection (megatron: the activation
+    before it), so a bf16 rounding lands elsewhere; the losses stay within bf16's precision."""
+    want, want_output = pretrain(2, *COMMON, "--bf16", model=MOE_MODEL)
+    losses, output = pretrain(2, *COMMON, "--bf16", *ENGINE, model=MOE_MODEL)
+    assert APPLIED in output and APPLIED not in want_output
+    assert sorted(losses) == sorted(want) == [1, 2, 3, 4]
+    assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
+
+
+def test_ep2_engine_with_deterministic_mode_repeats_bitwise():
+    flags = [*COMMON, "--deterministic-mode", *ENGINE, "--moe-dispatch-chunks", "2", "--moe-shared-expert-overlap"]
+    first, first_output = pretrain(2, *flags, model=MOE_MODEL)
+    second, second_output = pretrain(2, *flags, model=MOE_MODEL)
+    assert APPLIED in first_output
+    assert sorted(first) == [1, 2, 3, 4] and first == second
+    assert grad_norms(first_output) == grad_norms(second_output)

@@ -1,0 +1,120 @@
+"""--moe-dispatcher-engine / --moe-dispatch-chunks / MindSpeed's --moe-alltoall-overlap-comm: what the
+expert-parallel feature asks for, switches and refuses (one process, megatron's own argument parser)."""
+
+import pytest
+
+import hyper_adaptor.megatron_adaptor as adaptor_module
+from hyper_adaptor import features
+from hyper_adaptor.features import FeatureConfigError
+from hyper_adaptor.patches.expert import dispatcher
+from tests.unit.test_adaptor import megatron_args
+
+ADAPTOR = adaptor_module.ADAPTOR
+MODEL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--micro-batch-size", "1")
+MOE = ("--num-experts", "4", "--moe-token-dispatcher-type", "alltoall")
+ENGINE = ("--moe-dispatcher-engine", "hyper")
+
+
+def _prepare(*flags):
+    args = megatron_args(*MODEL, *flags)
+    args.rank, args.world_size = 0, 4
+    notices = ADAPTOR.prepare(args, say=False)
+    return args, notices
+
+
+def feature():
+    return features.get("expert_parallel")
+
+
+def test_megatrons_dispatcher_by_default_feature_off():
+    args, _ = _prepare(*MOE)
+    assert args.moe_dispatcher_engine == "megatron" and args.moe_dispatch_chunks == 1
+    assert not feature().requested(args) and not feature().asked_explicitly(args)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_the_engine_asked_replaces_moe_layers_dispatcher_name_and_wraps_its_expert_step(chunks):
+    args, notices = _prepare(*MOE, *ENGINE, "--expert-model-parallel-size", "2", "--moe-dispatch-chunks", str(chunks))
+    assert feature().is_enabled(args) and feature().asked_explicitly(args)
+    assert not [n for n in notices if "moe" in n]
+    name, experts = feature().patches(args)
+    assert name.target == dispatcher.TARGET and name.kind == "replace" and name.rebind_in == ()
+    assert experts.target == dispatcher.EXPERTS_TARGET and experts.kind == "wrap"
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    assert issubclass(name.replacement, MoETokenDispatcher) and name.replacement.CHUNKS == chunks
+
+
+@pytest.mark.parametrize("extra", [
+    ("--moe-expert-capacity-factor", "1.0"),
+    ("--moe-expert-capacity-factor", "1.5", "--moe-pad-expert-input-to-capacity"),
+    ("--moe-expert-capacity-factor", "1.0", "--moe-token-drop-policy", "position"),
+    ("--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"),
+    ("--moe-grouped-gemm",),
+    ("--deterministic-mode",),
+    ("--bf16",),
+    ("--moe-dispatch-chunks", "4", "--moe-expert-capacity-factor", "1.0"),
+    ("--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+     "--expert-tensor-parallel-size", "1"),
+])
+def test_served_combinations(extra):
+    args, _ = _prepare(*MOE, *ENGINE, *extra)
+    assert feature().is_enabled(args)
+
+
+@pytest.mark.parametrize("flags, named", [
+    # what the engine serves
+    ((*ENGINE,), ("--moe-dispatcher-engine hyper", "--num-experts")),
+    (("--num-experts", "4", *ENGINE), ("--moe-dispatcher-engine hyper", "--moe-token-dispatcher-type alltoall",
+                                        "allgather", "megatron's default")),
+    (("--num-experts", "4", "--moe-token-dispatcher-type", "allgather", *ENGINE),
+     ("--moe-dispatcher-engine hyper", "--moe-token-dispatcher-type alltoall")),
+    # chunks
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "0"), ("--moe-dispatch-chunks", ">= 1")),
+    ((*MOE, "--moe-dispatch-chunks", "2"), ("--moe-dispatch-chunks 2", "--moe-dispatcher-engine hyper")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     ("--moe-dispatch-chunks 2", "--expert-tensor-parallel-size 2")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--expert-tensor-parallel-size", "2"),
+     ("--moe-dispatch-chunks 2", "--expert-tensor-parallel-size 2")),
+    ((*MOE, *ENGINE, "--moe-dispatch-chunks", "2", "--moe-expert-capacity-factor", "1",
+      "--moe-pad-expert-input-to-capacity"), ("--moe-dispatch-chunks 2", "--moe-pad-expert-input-to-capacity")),
+    ((*MOE, "--moe-alltoall-overlap-comm", "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     ("--moe-dispatch-chunks 2 (asked by --moe-alltoall-overlap-comm)", "--expert-tensor-parallel-size 2")),
+    # capacity
+    ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "nan"), ("--moe-expert-capacity-factor",)),
+    ((*MOE, *ENGINE, "--moe-expert-capacity-factor", "-1"), ("--moe-expert-capacity-factor",)),
+    ((*MOE, *ENGINE, "--moe-pad-expert-input-to-capacity"),
+     ("--moe-pad-expert-input-to-capacity", "--moe-expert-capacity-factor")),
+    ((*MOE, *ENGINE, "--moe-shared-expert-overlap"), ("--moe-shared-expert-overlap",
+                                                      "--moe-shared-expert-intermediate-size")),
+    # conflicts, naming both flags
+    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm"),
+     ("--moe-dispatcher-engine hyper", "--overlap-moe-expert-parallel-comm")),
+    ((*MOE, *ENGINE, "--moe-permute-fusion"), ("--moe-dispatcher-engine hyper", "--moe-permute-fusion")),
+    ((*MOE, *ENGINE, "--moe-router-padding-for-fp8"), ("--moe-dispatcher-engine hyper",
+                                                       "--moe-router-padding-for-fp8")),
+    # below level 2: an error, not megatron's dispatcher instead
+    ((*MOE, *ENGINE, "--optimization-level", "1"), ("--moe-dispatcher-engine hyper", "--optimization-level 2")),
+    ((*MOE, "--moe-alltoall-overlap-comm", "--optimization-level", "0"),
+     ("--moe-alltoall-overlap-comm", "--optimization-level 2")),
+])
+def test_refused_naming_the_flags(flags, named):
+    with pytest.raises(FeatureConfigError) as error:
+        _prepare(*flags)
+    for name in named:
+        assert name in str(error.value), (name, str(error.value))
+
+
+def test_mindspeeds_alltoall_overlap_asks_for_the_engine_with_notices():
+    args, notices = _prepare(*MOE, "--moe-alltoall-overlap-comm")
+    assert args.moe_dispatcher_engine == "hyper" and args.moe_dispatch_chunks == 2
+    assert any("--moe-dispatcher-engine" in n and "--moe-alltoall-overlap-comm" in n for n in notices)
+    assert any("--moe-dispatch-chunks" in n for n in notices)
+
+
+def test_validate_leaves_args_as_it_found_them():
+    args, _ = _prepare(*MOE, *ENGINE, "--moe-expert-capacity-factor", "1.0")
+    before = dict(vars(args))
+    feature().validate(args)
+    assert vars(args) == before
