@@ -99,6 +99,36 @@ def engine_theory_bytes(routed: dict, hidden: int, experts: int, ep: int, elem: 
     return 2 * rows * hidden * elem + experts * 8 * (ep - 1) // ep
 
 
+def overlap_rows(quick: bool, timeout: float) -> list[dict]:
+    """Exposed communication with and without the engine's overlap (``measure_exposed_comm``: the modes
+    in turns, step by step) on the engine's grouped SwiGLU experts and a shared expert, per rank."""
+    tokens, steps = (512, 2) if quick else (4096, 5)
+    ranks = run_world(WORLD, "tests.distributed.expert_overlap_checks:exposed_comm", timeout=timeout,
+                      tokens=tokens, chunks=(1, 2, 4), steps=steps)
+    rows = []
+    for i, mode in enumerate(ranks[0]):
+        per_rank = [r[i] for r in ranks]
+        rows.append({"mode": mode["mode"], "chunks": mode["chunks"], "tokens_per_rank": tokens,
+                     "step_s": [r["step_s"] for r in per_rank],
+                     "exposed_comm_s": [r["exposed_comm_s"] for r in per_rank]})
+    return rows
+
+
+def replica_rows(quick: bool) -> list[dict]:
+    """max / mean rows per EP rank on a Zipf-skewed router, 4 ranks, 8 experts top-2, 0-4 replicas (the
+    plan from 4 steps of counts, measured on the next 4 steps of fresh tokens)."""
+    from hyper_adaptor.parallel.expert import skewed_load_report
+
+    tokens = 512 if quick else 4096
+    rows = []
+    for exponent in (1.0, 1.5):
+        for replicas in (0, 1, 2, 3, 4):
+            r = skewed_load_report(num_ranks=WORLD, num_experts=8, topk=2, replicas=replicas, exponent=exponent,
+                                   tokens_per_rank=tokens)
+            rows.append({"exponent": exponent, "replicas": replicas, **r})
+    return rows
+
+
 def run(args) -> dict:
     p = preset(args, DEFAULTS, QUICK)
     d = _moe_layer.dims(args.quick)
