@@ -17,8 +17,11 @@ The flags around it:
   expert tensor parallel or padding to capacity, between the engine's steps in megatron's order).
 - MindSpeed's ``--moe-alltoall-overlap-comm`` (alltoall dispatcher, forward communication hidden under
   expert compute): asks for the engine with its chunked overlap.
-- megatron's ``--overlap-moe-expert-parallel-comm`` (its 1F1B pairing of two micro-batches, on CUDA
-  streams in a schedule of its own) is refused together with the engine, naming both flags.
+- megatron's ``--overlap-moe-expert-parallel-comm`` (its combined 1F1B: one micro-batch's forward paired
+  with another's backward, the layer cut into nodes that call the dispatcher's steps one by one): served
+  by the engine's plain dispatch and combine in megatron's dispatch and combine nodes. The engine's
+  chunked overlap runs dispatch, experts and combine as one schedule inside a node, so
+  ``--moe-dispatch-chunks`` > 1 (and MindSpeed's flag) is an error with it.
 """
 
 from __future__ import annotations
@@ -125,10 +128,18 @@ class ExpertParallel(Feature):
                 and not getattr(args, "moe_shared_expert_intermediate_size", None):
             raise FeatureConfigError(f"--moe-shared-expert-overlap with {asked} needs a shared expert: "
                                      "add --moe-shared-expert-intermediate-size")
+        if getattr(args, "overlap_moe_expert_parallel_comm", False):
+            combined = "--overlap-moe-expert-parallel-comm (megatron's combined 1F1B, whose schedule runs " \
+                       "dispatch, experts and combine as separate nodes)"
+            if n > 1:
+                raise FeatureConfigError(
+                    f"{chunked} cannot be combined with {combined}: the engine's chunked overlap runs dispatch, "
+                    "experts and combine of every chunk together inside one of those nodes; use "
+                    "--moe-dispatch-chunks 1 (the engine's plain dispatch and combine serve megatron's nodes)")
+            if getattr(args, "moe_shared_expert_overlap", False):
+                raise FeatureConfigError(f"--moe-shared-expert-overlap cannot be combined with {combined}: there "
+                                         "megatron computes the shared expert in its own node")
         refused = {
-            "overlap_moe_expert_parallel_comm":
-                "--overlap-moe-expert-parallel-comm (megatron's 1F1B pairing of micro-batches on CUDA streams; "
-                "the engine hides communication with --moe-dispatch-chunks and --moe-shared-expert-overlap)",
             "moe_permute_fusion": "--moe-permute-fusion (TransformerEngine's permutation kernels; the engine "
                                   "permutes itself)",
             "moe_router_padding_for_quantization": "--moe-router-padding-for-quantization (fp8/fp4 row alignment "

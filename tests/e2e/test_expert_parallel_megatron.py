@@ -5,8 +5,9 @@ megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM
 on 2 ranks with hyper_adaptor's token-dispatch engine, against the same command line with megatron's own
 dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and with MindSpeed's
 ``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks), under megatron's selective
-recompute of the MoE layer and hyper_adaptor's activation swap; the engine at EP 2 x CP 2
-(4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
+recompute of the MoE layer and hyper_adaptor's activation swap; in bf16, megatron's combined 1F1B
+(``--overlap-moe-expert-parallel-comm``) with megatron's dispatcher and with the engine's; the engine at
+EP 2 x CP 2 (4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
 hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2.
 
 Tolerances: losses 1e-5 relative (fp32; megatron logs 7 significant digits); grad norms 1e-5 relative
@@ -85,13 +86,48 @@ def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2(megatron_ep2_pp2
     _matches(megatron_ep2_pp2, losses, output)
 
 
-def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16():
+@pytest.fixture(scope="module")
+def megatron_ep2_bf16():
+    losses, output = pretrain(2, *COMMON, "--bf16", model=MOE_MODEL)
+    assert APPLIED not in output
+    assert sorted(losses) == [1, 2, 3, 4]
+    return losses, grad_norms(output)
+
+
+@pytest.fixture(scope="module")
+def engine_ep2_bf16():
+    losses, output = pretrain(2, *COMMON, "--bf16", *ENGINE, model=MOE_MODEL)
+    assert APPLIED in output
+    return losses, grad_norms(output)
+
+
+def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16(megatron_ep2_bf16, engine_ep2_bf16):
     """bf16: the engine weights the expert outputs after the second projection (megatron: the activation
     before it), so a bf16 rounding lands elsewhere; the losses stay within bf16's precision."""
-    want, want_output = pretrain(2, *COMMON, "--bf16", model=MOE_MODEL)
-    losses, output = pretrain(2, *COMMON, "--bf16", *ENGINE, model=MOE_MODEL)
-    assert APPLIED in output and APPLIED not in want_output
+    (want, _), (losses, _) = megatron_ep2_bf16, engine_ep2_bf16
     assert sorted(losses) == sorted(want) == [1, 2, 3, 4]
+    assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
+
+
+# megatron's combined 1F1B (bf16 or fp16 only): it asks the script's forward_step for the model's schedule
+# plan and runs one micro-batch's forward nodes between another's backward nodes
+COMBINED_1F1B = ["--bf16", "--overlap-moe-expert-parallel-comm"]
+
+
+def test_ep2_megatrons_combined_1f1b_gives_the_losses_of_its_plain_schedule(megatron_ep2_bf16):
+    losses, output = pretrain(2, *COMMON, *COMBINED_1F1B, model=MOE_MODEL)
+    assert APPLIED not in output
+    assert (losses, grad_norms(output)) == megatron_ep2_bf16
+
+
+def test_ep2_engine_in_megatrons_combined_1f1b(megatron_ep2_bf16, engine_ep2_bf16):
+    """The engine's dispatch and combine as megatron's dispatch and combine nodes: the same arithmetic as the
+    engine's plain run, and megatron's dispatcher (whose losses the combined schedule leaves as they are)
+    within bf16's precision."""
+    losses, output = pretrain(2, *COMMON, *COMBINED_1F1B, *ENGINE, model=MOE_MODEL)
+    assert APPLIED in output
+    assert (losses, grad_norms(output)) == engine_ep2_bf16
+    want = megatron_ep2_bf16[0]
     assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
 
 

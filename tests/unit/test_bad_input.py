@@ -124,7 +124,7 @@ BAD = [
     case("--moe-dispatch-chunks x", "--moe-dispatch-chunks"),
     case("--num-experts 4 --moe-dispatcher-engine hyper", "--moe-token-dispatcher-type", *MODEL),
     case("--num-experts 4 --moe-token-dispatcher-type alltoall --moe-dispatcher-engine hyper "
-         "--overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm", *MODEL),
+         "--moe-dispatch-chunks 2 --overlap-moe-expert-parallel-comm", "--overlap-moe-expert-parallel-comm", *MODEL),
     case("--num-experts 4 --moe-token-dispatcher-type alltoall --moe-dispatcher-engine hyper --moe-dispatch-chunks 0",
          "--moe-dispatch-chunks", *MODEL),
     # environment variables describe reads when it runs

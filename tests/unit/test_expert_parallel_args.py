@@ -57,6 +57,7 @@ def test_the_engine_asked_replaces_moe_layers_dispatcher_name_and_wraps_its_expe
     ("--moe-dispatch-chunks", "4", "--moe-expert-capacity-factor", "1.0"),
     ("--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--expert-tensor-parallel-size", "1"),
+    ("--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--bf16"),
 ])
 def test_served_combinations(extra):
     args, _ = _prepare(*MOE, *ENGINE, *extra)
@@ -89,8 +90,13 @@ def test_served_combinations(extra):
     ((*MOE, *ENGINE, "--moe-shared-expert-overlap"), ("--moe-shared-expert-overlap",
                                                       "--moe-shared-expert-intermediate-size")),
     # conflicts, naming both flags
-    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm"),
-     ("--moe-dispatcher-engine hyper", "--overlap-moe-expert-parallel-comm")),
+    # megatron's combined 1F1B runs the dispatcher's steps as separate nodes: the plain engine only
+    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm", "--moe-dispatch-chunks", "2"),
+     ("--moe-dispatch-chunks 2", "--overlap-moe-expert-parallel-comm", "--moe-dispatch-chunks 1")),
+    ((*MOE, "--moe-alltoall-overlap-comm", "--overlap-moe-expert-parallel-comm"),
+     ("--moe-dispatch-chunks 2 (asked by --moe-alltoall-overlap-comm)", "--overlap-moe-expert-parallel-comm")),
+    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm", "--moe-shared-expert-intermediate-size", "64",
+      "--moe-shared-expert-overlap"), ("--moe-shared-expert-overlap", "--overlap-moe-expert-parallel-comm")),
     ((*MOE, *ENGINE, "--moe-permute-fusion"), ("--moe-dispatcher-engine hyper", "--moe-permute-fusion")),
     ((*MOE, *ENGINE, "--moe-router-padding-for-fp8"), ("--moe-dispatcher-engine hyper",
                                                        "--moe-router-padding-for-fp8")),

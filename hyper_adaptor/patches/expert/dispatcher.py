@@ -106,6 +106,10 @@ def dispatcher_class(chunks: int = 1) -> type:
             self.routing_map = None
             self.probs_dtype = None
             self.overlapped = False
+            # megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) runs dispatch and combine as
+            # schedule nodes of their own: see token_dispatch
+            self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+            self.tokens_per_expert = None
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
@@ -121,22 +125,51 @@ def dispatcher_class(chunks: int = 1) -> type:
                 self.hidden_states = hidden_states  # the shared expert's input
             elif self.shared_experts is not None:
                 self.shared_experts.pre_forward_comm(hidden_states)
+            if self.split_nodes:
+                # these are the inputs of megatron's dispatch node, which frees them after its forward (its
+                # own preprocess returns a permuted copy); the router's backward still reads its input and
+                # output, so the node gets copies
+                tokens, probs = tokens.clone(), probs.clone()
             return tokens, probs
 
         def token_dispatch(self, hidden_states, probs):
             if self.overlapped:  # dispatched with the experts, in overlapped_forward
                 return hidden_states, probs
+            if self.split_nodes:
+                # megatron frees the dispatch node's inputs after its forward; the probabilities' gradient,
+                # taken in the combine node, still reads them
+                probs = probs.clone()
             expert_input, tokens_per_expert = self.engine.dispatch(hidden_states, self.routing_map, probs)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc1_forward_and_act()
+            if self.split_nodes:
+                # megatron's dispatch node detaches its second output into the experts' node and back-
+                # propagates it with that node's gradient, so it must be a tensor the experts differentiate:
+                # a unit weight per row (the combine applies the probabilities). The counts wait here for
+                # dispatch_postprocess, the next forward step of this same micro-batch and layer — the
+                # schedule pairs this forward only with another micro-batch's backward, which is autograd's
+                # and reads no dispatcher state.
+                self.tokens_per_expert = tokens_per_expert
+                unit = torch.ones(expert_input.shape[0], dtype=probs.dtype, device=expert_input.device,
+                                  requires_grad=True)
+                return expert_input, unit
             # megatron's layer hands the second value on to dispatch_postprocess
             return expert_input, tokens_per_expert
 
         def dispatch_postprocess(self, hidden_states, tokens_per_expert):
+            unit = None
+            if self.split_nodes and not self.overlapped:
+                unit, tokens_per_expert, self.tokens_per_expert = tokens_per_expert, self.tokens_per_expert, None
+                if tokens_per_expert is None:
+                    raise ExpertDispatchUnsupported("dispatch_postprocess without a token_dispatch before it")
             counts = torch.as_tensor(list(tokens_per_expert), dtype=torch.long)
             if len(counts) != self.num_local_experts:
                 raise ExpertDispatchUnsupported(f"the engine dispatched to {len(counts)} experts; this rank "
                                                 f"holds {self.num_local_experts}")
+            if unit is not None:
+                # megatron frees its experts' node input after the forward (its own postprocess makes a
+                # permuted copy); the experts keep theirs for the weight gradient
+                return hidden_states.clone(), counts, unit
             # the combine applies the probabilities: the experts scale by one
             ones = torch.ones(hidden_states.shape[0], dtype=self.probs_dtype, device=hidden_states.device)
             return hidden_states, counts, ones
