@@ -6,6 +6,9 @@ engine in ``hyper_adaptor/parallel/pipeline`` (validated action lists, one runti
 own schedules run. ``interleaved`` and ``zbv`` use megatron's model chunks
 (``--num-virtual-stages-per-pipeline-rank`` / ``--num-layers-per-virtual-pipeline-stage``); ``zbh1`` and ``zbv``
 split each backward into input and weight gradients (:mod:`hyper_adaptor.patches.pipeline.wgrad`).
+With megatron's ``--overlap-moe-expert-parallel-comm`` and ``--moe-dispatcher-engine hyper``, ``interleaved``
+merges its steady (F, B) pairs and runs each pair's forward and backward on two threads that meet at the hooks
+of the engine's dispatcher (``CommComputeOverlap``); only where nothing else communicates from both threads.
 """
 
 from __future__ import annotations
@@ -103,14 +106,16 @@ class Pipeline(Feature):
                 "delay_wgrad_compute": "--delay-wgrad-compute (TransformerEngine's split; the schedule splits itself)",
             }
             refuse_combined(args, flag, refused)
-        refuse_combined(args, flag, {"overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm",
-                                     "use_megatron_fsdp": "--use-megatron-fsdp"})
+        refuse_combined(args, flag, {"use_megatron_fsdp": "--use-megatron-fsdp"})
+        pairs = bool(getattr(args, "overlap_moe_expert_parallel_comm", False))
+        if pairs:
+            _check_pairs(args, flag, name)
         micro = _micro_batches(args)
         if micro is not None:
             from hyper_adaptor.patches.pipeline.schedules import action_lists
 
             try:
-                action_lists(name, pp, micro, chunks, False)
+                action_lists(name, pp, micro, chunks, False, pairs)
             except ValueError as err:
                 raise FeatureConfigError(str(err)) from err
 
@@ -118,6 +123,36 @@ class Pipeline(Feature):
         from hyper_adaptor.patches.pipeline import schedules
 
         return schedules.patches(args.pipeline_schedule)
+
+
+def _check_pairs(args, flag: str, name: str) -> None:
+    """--overlap-moe-expert-parallel-comm under ``flag``: each steady (F, B) pair runs the forward and the
+    backward on two threads that meet at the hooks of the engine's dispatcher. That is sound only where
+    the expert-parallel exchanges inside those hooks are the one thing both threads communicate on."""
+    asked = f"--overlap-moe-expert-parallel-comm with {flag} (one micro-batch's forward concurrent with another's " \
+            "backward)"
+    if getattr(args, "moe_dispatcher_engine", None) != "hyper":
+        raise FeatureConfigError(f"{asked} needs --moe-dispatcher-engine hyper: the two sides meet at the hooks "
+                                 "of its dispatcher")
+    if name != "interleaved":
+        raise FeatureConfigError(f"{asked}: megatron asks for model chunks with this flag at pipeline size > 1, "
+                                 "and of the chunked schedules only interleaved pairs forwards with backwards: use "
+                                 "--pipeline-schedule interleaved with --num-virtual-stages-per-pipeline-rank")
+    # collectives outside the dispatcher's hooks would be issued by both threads in no fixed order
+    for dest, what in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                       ("expert_tensor_parallel_size", "--expert-tensor-parallel-size"),
+                       ("context_parallel_size", "--context-parallel-size")):
+        size = int(getattr(args, dest, None) or 1)
+        if size != 1:
+            raise FeatureConfigError(f"{asked} needs {what} 1 (got {size}): that group's collectives would run "
+                                     "from both threads")
+    refuse_combined(args, asked, {
+        "sequence_parallel": "--sequence-parallel (its collectives would run from both threads)",
+        "overlap_param_gather": "--overlap-param-gather (the forward's parameter all-gathers and the backward's "
+                                "gradient reduction on the data-parallel group from two threads)",
+        "use_hsdp": "--use-hsdp (the forward's all-gathers and the backward's reduce-scatters on one group from "
+                    "two threads)",
+    })
 
 
 def _micro_batches(args) -> int | None:

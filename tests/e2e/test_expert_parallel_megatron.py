@@ -138,3 +138,17 @@ def test_ep2_engine_with_deterministic_mode_repeats_bitwise():
     assert APPLIED in first_output
     assert sorted(first) == [1, 2, 3, 4] and first == second
     assert grad_norms(first_output) == grad_norms(second_output)
+
+
+def test_ep2_pp2_interleaved_pairs_forward_and_backward_through_the_engines_hooks():
+    """hyper_adaptor's interleaved schedule with --overlap-moe-expert-parallel-comm: each steady (F, B) pair's
+    forward and backward run on two threads meeting at the hooks around the engine's dispatch and combine
+    (EP 2 x PP 2, two model chunks per rank, 4 ranks): the losses and grad norms of the same schedule run one
+    step after the other."""
+    flags = ["--mock-data", "--num-workers", "0", "--train-iters", "2", "--bf16", *ENGINE, *PP2,
+             "--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-schedule", "interleaved"]
+    want, want_output = pretrain(4, *flags, model=MOE_MODEL, timeout=600)
+    losses, output = pretrain(4, *flags, "--overlap-moe-expert-parallel-comm", model=MOE_MODEL, timeout=600)
+    assert "pipeline (level 2) applied" in output and APPLIED in output
+    assert sorted(losses) == [1, 2]
+    assert (losses, grad_norms(output)) == (want, grad_norms(want_output))

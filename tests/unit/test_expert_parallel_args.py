@@ -58,6 +58,9 @@ def test_the_engine_asked_replaces_moe_layers_dispatcher_name_and_wraps_its_expe
     ("--moe-dispatch-chunks", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
      "--expert-tensor-parallel-size", "1"),
     ("--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--bf16"),
+    ("--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--bf16",
+     "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+     "--pipeline-schedule", "interleaved"),
 ])
 def test_served_combinations(extra):
     args, _ = _prepare(*MOE, *ENGINE, *extra)
@@ -97,6 +100,17 @@ def test_served_combinations(extra):
      ("--moe-dispatch-chunks 2 (asked by --moe-alltoall-overlap-comm)", "--overlap-moe-expert-parallel-comm")),
     ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm", "--moe-shared-expert-intermediate-size", "64",
       "--moe-shared-expert-overlap"), ("--moe-shared-expert-overlap", "--overlap-moe-expert-parallel-comm")),
+    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"),
+     ("--pipeline-schedule 1f1b", "--overlap-moe-expert-parallel-comm", "--pipeline-schedule interleaved")),
+    ((*MOE, "--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--pipeline-schedule", "interleaved"),
+     ("--pipeline-schedule interleaved", "--overlap-moe-expert-parallel-comm", "--moe-dispatcher-engine hyper")),
+    ((*MOE, *ENGINE, "--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2",
+      "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+      "--pipeline-schedule", "interleaved", "--overlap-grad-reduce", "--use-distributed-optimizer",
+      "--overlap-param-gather"), ("--pipeline-schedule interleaved", "--overlap-param-gather")),
     ((*MOE, *ENGINE, "--moe-permute-fusion"), ("--moe-dispatcher-engine hyper", "--moe-permute-fusion")),
     ((*MOE, *ENGINE, "--moe-router-padding-for-fp8"), ("--moe-dispatcher-engine hyper",
                                                        "--moe-router-padding-for-fp8")),

@@ -44,6 +44,12 @@ each chunk's sizes dynamic and its collectives on the expert-parallel group: exp
 and padding to capacity are served by the plain path only (the shared expert's steps then run between
 the engine's, in megatron's order; chunks > 1 there is an error).
 
+megatron's combined 1F1B (``--overlap-moe-expert-parallel-comm``) cuts the layer into schedule nodes —
+router, dispatch, experts, combine — that hand detached tensors to each other and free a node's inputs after
+its forward; the plain path serves them with copies where megatron's own dispatcher makes new tensors
+(see ``split_nodes``). Under hyper_adaptor's interleaved schedule the same flag wraps the engine's dispatch
+and combine in the hooks of :func:`pair_overlap` instead.
+
 Groups are megatron's (``pg_collection``): expert parallel ``ep``, expert tensor parallel ``expt_tp``
 (the all-gather megatron's dispatcher does after the exchange, and the reduce-scatter before it).
 With attention tensor parallel and sequence parallel each TP rank routes its own part of the sequence,
@@ -67,9 +73,27 @@ class ExpertDispatchUnsupported(RuntimeError):
     """A configuration the engine's dispatcher does not serve (said instead of a wrong answer)."""
 
 
-def dispatcher_class(chunks: int = 1) -> type:
+_PAIR_OVERLAP = None
+
+
+def pair_overlap(create: bool = True):
+    """The process's ``CommComputeOverlap``: hyper_adaptor's pipeline schedules run their ``FWD_BWD`` pairs
+    through it, and the dispatcher built with ``pair_hooks`` puts its hooks around the engine's dispatch
+    and combine (outside a pair they meet no partner and cost an identity op). ``create=False``: ``None``
+    unless such a dispatcher was built — without its hooks the two sides would not keep their expert-parallel
+    exchanges in one order."""
+    global _PAIR_OVERLAP
+    if _PAIR_OVERLAP is None and create:
+        from hyper_adaptor.parallel.expert import CommComputeOverlap
+
+        _PAIR_OVERLAP = CommComputeOverlap()
+    return _PAIR_OVERLAP
+
+
+def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
     """megatron's ``MoETokenDispatcher`` with the engine's dispatch and combine (``chunks`` > 1: the
-    engine's chunked overlap), built when the patch is made so that ``chunks`` is bound into it."""
+    engine's chunked overlap; ``pair_hooks``: dispatch and combine wrapped by :func:`pair_overlap`), built
+    when the patch is made so that both are bound into it."""
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
     class EngineAlltoAllTokenDispatcher(MoETokenDispatcher):
@@ -107,9 +131,15 @@ def dispatcher_class(chunks: int = 1) -> type:
             self.probs_dtype = None
             self.overlapped = False
             # megatron's combined 1F1B (--overlap-moe-expert-parallel-comm) runs dispatch and combine as
-            # schedule nodes of their own: see token_dispatch
-            self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False))
+            # schedule nodes of their own (see token_dispatch); with pair hooks hyper_adaptor's pipeline
+            # schedule runs in its place
+            self.split_nodes = bool(getattr(config, "overlap_moe_expert_parallel_comm", False)) and not pair_hooks
             self.tokens_per_expert = None
+            self.dispatch_fn, self.combine_fn = self.engine.dispatch, self.engine.combine
+            if pair_hooks:
+                overlap = pair_overlap()
+                self.dispatch_fn = overlap.wrap_dispatch(self.engine.dispatch)
+                self.combine_fn = overlap.wrap_combine(self.engine.combine)
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
@@ -139,7 +169,7 @@ def dispatcher_class(chunks: int = 1) -> type:
                 # megatron frees the dispatch node's inputs after its forward; the probabilities' gradient,
                 # taken in the combine node, still reads them
                 probs = probs.clone()
-            expert_input, tokens_per_expert = self.engine.dispatch(hidden_states, self.routing_map, probs)
+            expert_input, tokens_per_expert = self.dispatch_fn(hidden_states, self.routing_map, probs)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc1_forward_and_act()
             if self.split_nodes:
@@ -207,7 +237,7 @@ def dispatcher_class(chunks: int = 1) -> type:
         def token_combine(self, hidden_states, *args, **kwargs):
             if self.overlapped:
                 return hidden_states
-            output = self.engine.combine(hidden_states)
+            output = self.combine_fn(hidden_states)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc2_forward()
                 self.shared_experts.post_forward_comm()
@@ -237,9 +267,12 @@ def _wrap_routed_experts_compute(original):
 
 def patches(args) -> list[Patch]:
     chunks = int(getattr(args, "moe_dispatch_chunks", 1) or 1)
+    # the pipeline feature pairs micro-batches through pair_overlap() under this combination
+    pair_hooks = bool(getattr(args, "overlap_moe_expert_parallel_comm", False) and getattr(args, "pipeline_schedule",
+                                                                                           None))
     return [
         # only moe_layer's binding: megatron's class stays what token_dispatcher defines
-        Patch(TARGET, dispatcher_class(chunks), "replace", FEATURE, rebind_in=()),
+        Patch(TARGET, dispatcher_class(chunks, pair_hooks), "replace", FEATURE, rebind_in=()),
         # megatron's own method unless this feature's dispatcher runs its overlapped schedule
         Patch(EXPERTS_TARGET, _wrap_routed_experts_compute, "wrap", FEATURE),
     ]

@@ -33,11 +33,11 @@ T = MetaStepType
 
 
 @functools.lru_cache(maxsize=64)
-def action_lists(name: str, ranks: int, micro: int, chunks: int, forward_only: bool):
+def action_lists(name: str, ranks: int, micro: int, chunks: int, forward_only: bool, overlap_b_f: bool = False):
     """The engine's validated (layout, per-rank lists) of ``name`` for megatron's run shape, errors
     phrased in megatron's flags; cached because every training step asks for the same ones."""
     try:
-        return build(name, ranks, micro, chunks, forward_only=forward_only)
+        return build(name, ranks, micro, chunks, forward_only=forward_only, overlap_b_f=overlap_b_f)
     except ValueError as err:
         raise ValueError(f"--pipeline-schedule {name} with --pipeline-model-parallel-size {ranks}, "
                          f"{chunks} model chunk(s) per rank and {micro} micro-batches: {err}") from err
@@ -168,7 +168,16 @@ def forward_backward(name: str, **kwargs):
     config = run.config
     ranks = run.pp_group.size()
     me = run.pp_group.rank()
-    layout, lists = action_lists(name, ranks, run.num_microbatches, run.chunks, run.forward_only)
+    # --overlap-moe-expert-parallel-comm (the pipeline feature lets it through with the engine's dispatcher):
+    # each steady (F, B) pair runs the forward and the backward concurrently, meeting at the hooks the
+    # engine's dispatcher puts around its dispatch and combine
+    overlap = None
+    if getattr(config, "overlap_moe_expert_parallel_comm", False) and not run.forward_only:
+        from hyper_adaptor.patches.expert.dispatcher import pair_overlap
+
+        overlap = pair_overlap(create=False)
+    layout, lists = action_lists(name, ranks, run.num_microbatches, run.chunks, run.forward_only,
+                                 overlap is not None)
     actions = lists[me]
     stages = layout.stages_of(me)
     last_stage = layout.num_stages - 1
@@ -192,7 +201,8 @@ def forward_backward(name: str, **kwargs):
                     last_backward[stages.index(half.stage_index)] = half.micro_index
         run.enter_no_sync(last_backward)
         try:
-            execute(actions, runners, layout, run.pp_group, overlap_p2p=bool(config.overlap_p2p_comm))
+            execute(actions, runners, layout, run.pp_group, overlap_p2p=bool(config.overlap_p2p_comm),
+                    comm_compute_overlap=overlap)
         finally:
             for c in range(run.chunks):
                 run.exit_no_sync(c)
