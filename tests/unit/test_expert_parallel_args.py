@@ -126,6 +126,18 @@ def test_refused_naming_the_flags(flags, named):
         assert name in str(error.value), (name, str(error.value))
 
 
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_megatrons_combined_1f1b_flag_puts_pair_hooks_in_the_dispatcher_under_hyper_adaptors_schedule(pipeline):
+    """megatron's combined 1F1B calls the dispatcher's steps from its own nodes (no hooks); hyper_adaptor's
+    interleaved schedule pairs micro-batches at the hooks around the engine's dispatch and combine."""
+    schedule = ("--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                "--pipeline-schedule", "interleaved") if pipeline else ()
+    args, _ = _prepare(*MOE, *ENGINE, "--expert-model-parallel-size", "2", "--bf16",
+                       "--overlap-moe-expert-parallel-comm", *schedule)
+    name, _ = feature().patches(args)
+    assert name.replacement.CHUNKS == 1 and name.replacement.PAIR_HOOKS is pipeline
+
+
 def test_mindspeeds_alltoall_overlap_asks_for_the_engine_with_notices():
     args, notices = _prepare(*MOE, "--moe-alltoall-overlap-comm")
     assert args.moe_dispatcher_engine == "hyper" and args.moe_dispatch_chunks == 2

@@ -100,6 +100,7 @@ def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
         """megatron's all-to-all token dispatcher served by hyper_adaptor's ``AllToAllDispatcher``."""
 
         CHUNKS = chunks
+        PAIR_HOOKS = pair_hooks
 
         def __init__(self, num_local_experts, local_expert_indices, config, pg_collection=None):
             from hyper_adaptor.parallel.expert import AllToAllDispatcher
