@@ -47,6 +47,7 @@ LOSS_RTOL = 1e-5
 def _batch(step: int, d: dict) -> dict:
     """This rank's micro-batch of ``step``'s global batch (one micro-batch per data-parallel rank)."""
     import torch
+
     from megatron.core import parallel_state as ps
 
     dp, rank, mb, seq = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank(), d["micro"], d["seq"]
@@ -61,6 +62,7 @@ def _train_step(chunk, optimizer, data: dict, d: dict) -> float:
     """One step as megatron.training takes it: the schedule (forward, backward, finalize_model_grads)
     and the optimizer; the loss averaged over data parallel."""
     import torch.distributed as dist
+
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -104,11 +106,12 @@ def _state(run: dict, model, chunk, optimizer) -> tuple[dict, int]:
 
 def _measure(name: str, run: dict, d: dict, steps: dict) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
 
     from hyper_adaptor.testing.measure import PeakMemory
     from tests.distributed.hsdp_expert_checks import _build
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
 
     dims = {k: v for k, v in d.items() if k != "micro"}
     config, model, chunk, optimizer = _build({**run, "dims": dims})
@@ -173,7 +176,8 @@ def summarize(ranks: list[dict]) -> dict:
             "peak_bytes_per_rank": [c["peak_bytes"] for c in per_rank],
             "start_bytes_max": max(c["start_bytes"] for c in per_rank),
             "rise_bytes_max": max(c["rise_bytes"] for c in per_rank),
-            "state_bytes_max": {part: max(c["state_bytes"][part] for c in per_rank) for part in per_rank[0]["state_bytes"]},
+            "state_bytes_max": {part: max(c["state_bytes"][part] for c in per_rank)
+                                for part in per_rank[0]["state_bytes"]},
             "pool_bytes_max": max(c["pool_bytes"] for c in per_rank),
             "step_ms": 1e3 * statistics.median(t for c in per_rank for t in c["step_s"]),
             "losses": losses, "loss_max_rel_diff_vs_megatron": worst, "loss_parity": worst <= LOSS_RTOL,
