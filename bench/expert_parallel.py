@@ -217,8 +217,9 @@ def table(result: dict) -> str:
         theory_text = f"{statistics.mean(theory) / 2**20:.3f}" if theory else "-"
         lines.append(f"{name:<22}{row['step_ms']:>10.1f}{row['tokens_per_s']:>11.0f}{sent:>15.3f}{theory_text:>12}"
                      f"{row['grad_max_diff_vs_megatron_alltoall']:>11.1e}")
-    lines += ["", f"Overlap ({result['overlap'][0]['tokens_per_rank']} tokens per rank, engine's grouped SwiGLU experts "
-              "and a shared expert; medians over steps, range over ranks):",
+    tokens = result["overlap"][0]["tokens_per_rank"]
+    lines += ["", f"Overlap ({tokens} tokens per rank, engine's grouped SwiGLU experts and a shared expert; "
+              "medians over steps, range over ranks):",
               f"{'mode':<10}{'chunks':>7}{'step s':>16}{'exposed comm s':>18}{'exposed / plain':>17}"]
     for row in result["overlap"]:
         lines.append(f"{row['mode']:<10}{row['chunks']:>7}{_span(row['step_s']):>16}"
