@@ -121,9 +121,11 @@ def _param(expert, name: str):
     return getattr(getattr(expert, module), attr, None)
 
 
-def _stacked(experts) -> list[torch.Tensor]:
-    """[E_local, ...] per parameter name: the local experts' weights stacked (detached)."""
-    return [torch.stack([_param(e, name).detach() for e in experts.local_experts]) for name in _names(experts)]
+def _stacked(experts, trainable: bool = False) -> list[torch.Tensor]:
+    """[E_local, ...] per parameter name: the local experts' weights stacked (detached; ``trainable``:
+    marked as needing a gradient, so that the replica copies made from them get one)."""
+    return [torch.stack([_param(e, name).detach() for e in experts.local_experts]).requires_grad_(trainable)
+            for name in _names(experts)]
 
 
 def replica_layers(model):
@@ -170,7 +172,7 @@ def after_step(model) -> list[str]:
         routing.layer_number = getattr(layer, "layer_number", None)
         if routing.manager.step():
             lines.append(load_line(routing))
-        routing.manager.sync_weights(_stacked(layer.experts))
+        routing.manager.sync_weights(_stacked(layer.experts, trainable=True))
     return lines
 
 
