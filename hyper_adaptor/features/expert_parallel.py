@@ -17,6 +17,9 @@ The flags around it:
   expert tensor parallel or padding to capacity, between the engine's steps in megatron's order).
 - MindSpeed's ``--moe-alltoall-overlap-comm`` (alltoall dispatcher, forward communication hidden under
   expert compute): asks for the engine with its chunked overlap.
+- ``--moe-hot-expert-replicas R`` / ``--moe-replica-interval N``: every N steps the R most loaded experts
+  get a copy on the least loaded expert-parallel ranks (``patches/expert/replicas.py``); dropless, expert
+  tensor parallel 1 and no chunks (errors naming the flags otherwise).
 - megatron's ``--overlap-moe-expert-parallel-comm`` (its 1F1B pairing of two micro-batches, on CUDA
   streams in a schedule of its own) is refused together with the engine, naming both flags.
 """

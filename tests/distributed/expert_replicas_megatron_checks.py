@@ -57,7 +57,7 @@ def _engine(replicas: int, interval: int):
         yield
 
 
-def _build(ep: int):
+def _build(ep: int, extra: dict):
     import torch.nn.functional as F
 
     from megatron.core import parallel_state as ps
@@ -66,6 +66,7 @@ def _build(ep: int):
     from megatron.core.transformer import TransformerConfig
 
     ps.initialize_model_parallel(expert_model_parallel_size=ep)
+    torch.manual_seed(SEED)   # the shared expert's initial weights: the same in every run
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN, add_bias_linear=False,
@@ -74,7 +75,7 @@ def _build(ep: int):
         moe_aux_loss_coeff=1e-2, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False,
         bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False)
+        persist_layer_norm=False, **extra)
     layer = get_gpt_layer_local_spec(num_experts=EXPERTS).submodules.mlp(config=config, layer_number=1)
     full, local = _weights(), EXPERTS // ep
     first = ps.get_expert_model_parallel_rank() * local
@@ -86,12 +87,12 @@ def _build(ep: int):
     return layer, first
 
 
-def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool) -> dict:
+def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool, extra: dict) -> dict:
     from megatron.core import parallel_state as ps
 
     from hyper_adaptor.patches.expert import replicas as seam
 
-    layer, first = _build(ep)
+    layer, first = _build(ep, extra)
     losses, lines, reports = [], [], []
     for step in range(STEPS):
         x, probe = _data(step, rank)
@@ -100,7 +101,9 @@ def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool) -> di
         loss.backward()
         if reduce:
             seam.reduce_replica_grads(layer)
-        dist.all_reduce(layer.router.weight.grad)   # the dense data-parallel group is the world here
+        for name, p in layer.named_parameters():   # dense: the data-parallel group is the world here
+            if "local_experts" not in name and p.grad is not None:
+                dist.all_reduce(p.grad)
         expert_params = [p for e in layer.experts.local_experts for p in e.parameters()]
         for p in expert_params:
             dist.all_reduce(p.grad, group=ps.get_expert_data_parallel_group())
@@ -126,8 +129,8 @@ def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool) -> di
 
 
 def replica_runs(rank: int, world_size: int, runs: dict) -> dict:
-    """Each run: ``{"ep": .., "replicas": R, "interval": N, "reduce": bool}``; a run that raises gives its
-    error text."""
+    """Each run: ``{"ep": .., "replicas": R, "interval": N, "reduce": bool, "extra": {config}}``; a run that
+    raises gives its error text."""
     import hyper_adaptor.megatron_adaptor  # noqa: F401  (megatron importable on this platform)
 
     from megatron.core import parallel_state as ps
@@ -137,7 +140,8 @@ def replica_runs(rank: int, world_size: int, runs: dict) -> dict:
     for name, run in runs.items():
         try:
             with _engine(run["replicas"], run["interval"]):
-                results[name] = _train(rank, run["ep"], run["replicas"], run["interval"], run.get("reduce", True))
+                results[name] = _train(rank, run["ep"], run["replicas"], run["interval"], run.get("reduce", True),
+                                       run.get("extra", {}))
         except Exception as error:  # the test reads which error
             import traceback
 

@@ -3,7 +3,8 @@ training with replicas equals training without them.
 
 One spawned world of 4 gloo ranks (rank code in tests/distributed/expert_replicas_megatron_checks.py)
 trains megatron's MoE layer (8 experts, top-2, SwiGLU, aux-loss router) on a router skewed towards
-experts 0 and 1 for 5 SGD steps, replanning every step, at EP 4 and at EP 2 x expert-data-parallel 2:
+experts 0 and 1 for 5 SGD steps, replanning every step, at EP 4 (also with a shared expert and megatron's ``--moe-shared-expert-overlap``) and at EP 2 x
+expert-data-parallel 2:
 with 3 replicas the per-step losses, the router's and every expert's weights equal the run without
 replicas within 1e-6 (fp32). The replicas really served tokens (a plan with replicas, the load after
 below the load before), and a run whose replica gradients never reach their owners differs far above
@@ -21,14 +22,18 @@ pytestmark = pytest.mark.distributed
 
 TOL = 1e-6
 WRONG = 1e-4
+SHARED = dict(moe_shared_expert_intermediate_size=12, moe_shared_expert_overlap=True)
 RUNS = {
     "ep4-off": dict(ep=4, replicas=0, interval=1),
     "ep4-on": dict(ep=4, replicas=3, interval=1),
     "ep4-on-no-grad-reduce": dict(ep=4, replicas=3, interval=1, reduce=False),
     "ep2-dp2-off": dict(ep=2, replicas=0, interval=1),
     "ep2-dp2-on": dict(ep=2, replicas=3, interval=2),
+    # megatron's shared expert overlapped with the dispatch without replicas; with them, between the steps
+    "ep4-shared-overlap-off": dict(ep=4, replicas=0, interval=1, extra=SHARED),
+    "ep4-shared-overlap-on": dict(ep=4, replicas=3, interval=1, extra=SHARED),
 }
-PAIRS = {"ep4-on": "ep4-off", "ep2-dp2-on": "ep2-dp2-off"}
+PAIRS = {"ep4-on": "ep4-off", "ep2-dp2-on": "ep2-dp2-off", "ep4-shared-overlap-on": "ep4-shared-overlap-off"}
 
 
 @pytest.fixture(scope="module")

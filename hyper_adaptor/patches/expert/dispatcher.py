@@ -44,6 +44,12 @@ each chunk's sizes dynamic and its collectives on the expert-parallel group: exp
 and padding to capacity are served by the plain path only (the shared expert's steps then run between
 the engine's, in megatron's order; chunks > 1 there is an error).
 
+Hot-expert replicas (``--moe-hot-expert-replicas R``, ``replicas.py``): the dispatch goes over the plan's
+slots with its uneven placement; ``dispatch_postprocess`` hands megatron's experts the rows of the slots
+this rank owns and ``combine_preprocess`` appends the rows of its replica slots, computed with copies of
+the owners' weights. The plain path serves them (with megatron's ``--moe-shared-expert-overlap`` the
+shared expert then runs between the engine's steps, as with expert tensor parallel).
+
 Groups are megatron's (``pg_collection``): expert parallel ``ep``, expert tensor parallel ``expt_tp``
 (the all-gather megatron's dispatcher does after the exchange, and the reduce-scatter before it).
 With attention tensor parallel and sequence parallel each TP rank routes its own part of the sequence,

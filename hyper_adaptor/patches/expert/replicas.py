@@ -89,10 +89,14 @@ class ReplicaRouting:
     def _replica_output(self, rows, counts):
         from hyper_adaptor.patches.fused.grouped_gemm import _ExpertsAsOneMLP, _GroupedLinear
 
-        extended = self.manager.local_weights(_stacked(self.experts))
         names = _names(self.experts)
-        local = self.num_local_experts
-        per_slot = [{name: w[local + k] for name, w in zip(names, extended)} for k in range(len(counts))]
+        # this rank's replica copies in slot order, as sync_weights made them (local_weights would first
+        # concatenate the owned experts' weights, which megatron's experts compute with themselves)
+        copies = self.manager._replica_weights
+        if len(copies) != len(names) or copies[0].shape[0] != len(counts):
+            raise RuntimeError("hot-expert replicas: the replica weights do not match the plan (sync_weights must "
+                               "run after a new plan, before the forward)")
+        per_slot = [{name: w[k] for name, w in zip(names, copies)} for k in range(len(counts))]
         expert0 = self.experts.local_experts[0]
         linears = {}
         for which in ("linear_fc1", "linear_fc2"):
@@ -147,7 +151,10 @@ def reduce_replica_grads(model) -> None:
     DDP). A collective over each layer's EP group: every rank calls it after the backward."""
     for layer, routing in replica_layers(model):
         experts = layer.experts
-        holders = _stacked(experts)
+        # shaped like the stacked weights without copying them: the incoming rows land in ``_GRAD``
+        first = experts.local_experts[0]
+        holders = [_param(first, name).new_zeros((1, *_param(first, name).shape))
+                   .expand(len(experts.local_experts), *_param(first, name).shape) for name in _names(experts)]
         routing.manager.reduce_grads(holders, grad_attr=_GRAD)
         for name, holder in zip(_names(experts), holders):
             incoming = getattr(holder, _GRAD, None)
