@@ -42,7 +42,7 @@ class ReplicaRouting:
     rows of this rank's replica slots between ``split`` and ``join``."""
 
     def __init__(self, dispatcher, replicas: int, interval: int):
-        from hyper_adaptor.parallel.expert._replicas import HotExpertReplicas
+        from hyper_adaptor.parallel.expert import HotExpertReplicas
 
         self.num_local_experts = dispatcher.num_local_experts
         self.ep_group, self.topk = dispatcher.ep_group, dispatcher.config.moe_router_topk
@@ -53,8 +53,7 @@ class ReplicaRouting:
         self._rows = self._counts = None
 
     def dispatch(self, tokens, routing_map, probs):
-        from hyper_adaptor.parallel.expert import AllToAllDispatcher
-        from hyper_adaptor.parallel.expert._replicas import route_to_slots
+        from hyper_adaptor.parallel.expert import AllToAllDispatcher, route_to_slots
 
         if torch.is_grad_enabled():
             # counted once per training forward: not in evaluation, not in a recompute's first pass
@@ -87,7 +86,7 @@ class ReplicaRouting:
         return torch.cat([owned_output, self._replica_output(rows, counts)])
 
     def _replica_output(self, rows, counts):
-        from hyper_adaptor.patches.fused.grouped_gemm import _ExpertsAsOneMLP, _GroupedLinear
+        from hyper_adaptor.patches.fused.grouped_gemm import grouped_experts_forward
 
         names = _names(self.experts)
         # this rank's replica copies in slot order, as sync_weights made them (local_weights would first
@@ -98,15 +97,25 @@ class ReplicaRouting:
                                "run after a new plan, before the forward)")
         per_slot = [{name: w[k] for name, w in zip(names, copies)} for k in range(len(counts))]
         expert0 = self.experts.local_experts[0]
-        linears = {}
-        for which in ("linear_fc1", "linear_fc2"):
-            linears[which] = [types.SimpleNamespace(weight=s[f"{which}.weight"], bias=s.get(f"{which}.bias"),
-                                                    gradient_accumulation_fusion=False) for s in per_slot]
+        # stand-ins for megatron's expert modules: expert 0's class and attributes (so its forward and its
+        # activation run as megatron's), the replica copies as the linears' weights
+        stand_in = type("ReplicaExpert", (_ReplicaExpert,), {"forward": type(expert0).forward})
+        replicas = [stand_in(expert0, *(types.SimpleNamespace(weight=s[f"{which}.weight"], bias=s.get(f"{which}.bias"),
+                                                              gradient_accumulation_fusion=False)
+                                        for which in ("linear_fc1", "linear_fc2"))) for s in per_slot]
         ones = torch.ones(rows.shape[0], dtype=rows.dtype, device=rows.device)
-        fc1 = _GroupedLinear(linears["linear_fc1"], counts, None)
-        fc2 = _GroupedLinear(linears["linear_fc2"], counts, ones)
-        output, _ = type(expert0).forward(_ExpertsAsOneMLP(expert0, fc1, fc2), rows, ones)
+        output, _ = grouped_experts_forward(types.SimpleNamespace(local_experts=replicas), rows, counts, ones)
         return output
+
+
+class _ReplicaExpert:
+    """An expert module seen with other linears: everything else is the wrapped expert's."""
+
+    def __init__(self, expert, linear_fc1, linear_fc2):
+        self._expert, self.linear_fc1, self.linear_fc2 = expert, linear_fc1, linear_fc2
+
+    def __getattr__(self, name):
+        return getattr(self._expert, name)
 
 
 def _names(experts) -> list[str]:
@@ -228,4 +237,5 @@ def patches(args) -> list[Patch]:
     if not int(getattr(args, "moe_hot_expert_replicas", 0) or 0):
         return []
     return [Patch(FINISH_TARGET, _wrap_finish_grad_sync, "wrap", FEATURE),
-            Patch(STEP_TARGET, _wrap_train_step, "wrap", FEATURE)]
+            # around --profile's wrap when both are on: the weight copy is part of the profiled step's tail
+            Patch(STEP_TARGET, _wrap_train_step, "wrap", FEATURE, after=("profiling",))]
