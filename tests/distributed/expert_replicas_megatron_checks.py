@@ -88,12 +88,12 @@ def _build(ep: int, extra: dict):
 
 
 def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool, extra: dict) -> dict:
-    from megatron.core import parallel_state as ps
-
     from hyper_adaptor.patches.expert import replicas as seam
 
+    from megatron.core import parallel_state as ps
+
     layer, first = _build(ep, extra)
-    losses, lines, reports = [], [], []
+    losses, lines = [], []
     for step in range(STEPS):
         x, probe = _data(step, rank)
         out, _ = layer(x)
@@ -113,8 +113,6 @@ def _train(rank: int, ep: int, replicas: int, interval: int, reduce: bool, extra
                     p -= LR * p.grad
                     p.grad = None
         lines += seam.after_step(layer)
-        reports += [routing.manager.load_report() for _, routing in seam.replica_layers(layer)
-                    if routing.manager.plan is not None]
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total)

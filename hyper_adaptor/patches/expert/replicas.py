@@ -4,8 +4,13 @@ megatron's experts module (``SequentialMLP``) holds only this rank's own experts
 be one of its rows: the engine's dispatcher (``dispatcher.py``) routes the layer's tokens over the
 plan's slots (``route_to_slots``), dispatches them with the plan's uneven placement, hands megatron's
 experts only the rows of the slots this rank owns, and computes the rows of its replica slots here,
-with copies of the owners' weights: megatron's own ``MLP.forward`` (so its activation, SwiGLU or not)
-on expert 0 seen through level 1's grouped GEMM with the replica weights (``grouped_gemm.py``'s view).
+with copies of the owners' weights: level 1's ``grouped_experts_forward`` (megatron's own expert
+``forward``, so its activation, SwiGLU or not, around two grouped GEMMs) over stand-in experts whose
+linears hold the replica copies.
+
+Counting: only forwards that build a graph count towards the plan (not evaluation, not the first pass
+of megatron's recompute). The plan is not checkpointed: a resumed run starts without replicas and
+replans after ``--moe-replica-interval`` steps. With pipeline parallel, rank 0 logs its own stage's layers.
 
 The training loop's two points, each a wrap of the smallest megatron seam:
 
