@@ -44,6 +44,12 @@ each chunk's sizes dynamic and its collectives on the expert-parallel group: exp
 and padding to capacity are served by the plain path only (the shared expert's steps then run between
 the engine's, in megatron's order; chunks > 1 there is an error).
 
+Hot-expert replicas (``--moe-hot-expert-replicas R``, ``replicas.py``): the dispatch goes over the plan's
+slots with its uneven placement; ``dispatch_postprocess`` hands megatron's experts the rows of the slots
+this rank owns and ``combine_preprocess`` appends the rows of its replica slots, computed with copies of
+the owners' weights. The plain path serves them (with megatron's ``--moe-shared-expert-overlap`` the
+shared expert then runs between the engine's steps, as with expert tensor parallel).
+
 Groups are megatron's (``pg_collection``): expert parallel ``ep``, expert tensor parallel ``expt_tp``
 (the all-gather megatron's dispatcher does after the exchange, and the reduce-scatter before it).
 With attention tensor parallel and sequence parallel each TP rank routes its own part of the sequence,
@@ -67,9 +73,10 @@ class ExpertDispatchUnsupported(RuntimeError):
     """A configuration the engine's dispatcher does not serve (said instead of a wrong answer)."""
 
 
-def dispatcher_class(chunks: int = 1) -> type:
+def dispatcher_class(chunks: int = 1, replicas: int = 0, interval: int = 100) -> type:
     """megatron's ``MoETokenDispatcher`` with the engine's dispatch and combine (``chunks`` > 1: the
-    engine's chunked overlap), built when the patch is made so that ``chunks`` is bound into it."""
+    engine's chunked overlap; ``replicas`` > 0: hot-expert replicas, ``replicas.py``), built when the
+    patch is made so that these are bound into it."""
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
     class EngineAlltoAllTokenDispatcher(MoETokenDispatcher):
@@ -106,12 +113,22 @@ def dispatcher_class(chunks: int = 1) -> type:
             self.routing_map = None
             self.probs_dtype = None
             self.overlapped = False
+            self.replicas = None
+            if replicas:
+                from hyper_adaptor.patches.expert.replicas import ReplicaRouting
+
+                if chunks > 1 or self.tp_size > 1 or self.pad or config.moe_expert_capacity_factor is not None:
+                    raise ExpertDispatchUnsupported(
+                        f"--moe-hot-expert-replicas {replicas} needs dropless dispatch, expert tensor parallel 1 "
+                        "and --moe-dispatch-chunks 1")
+                self.replicas = ReplicaRouting(self, replicas, interval)
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
             self.routing_map = routing_map
             self.probs_dtype = probs.dtype
-            self.overlapped = (chunks > 1 or self.shared_experts is not None) and self.tp_size == 1 and not self.pad
+            self.overlapped = (chunks > 1 or self.shared_experts is not None) and self.tp_size == 1 \
+                and not self.pad and self.replicas is None
             tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
             if self.config.moe_apply_probs_on_input:
                 # top-1: the token's one probability scales its expert input, as megatron's experts do
@@ -126,13 +143,16 @@ def dispatcher_class(chunks: int = 1) -> type:
         def token_dispatch(self, hidden_states, probs):
             if self.overlapped:  # dispatched with the experts, in overlapped_forward
                 return hidden_states, probs
-            expert_input, tokens_per_expert = self.engine.dispatch(hidden_states, self.routing_map, probs)
+            engine = self.engine if self.replicas is None else self.replicas
+            expert_input, tokens_per_expert = engine.dispatch(hidden_states, self.routing_map, probs)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc1_forward_and_act()
             # megatron's layer hands the second value on to dispatch_postprocess
             return expert_input, tokens_per_expert
 
         def dispatch_postprocess(self, hidden_states, tokens_per_expert):
+            if self.replicas is not None and not self.overlapped:  # the replica slots' rows stay here
+                hidden_states, tokens_per_expert = self.replicas.split(hidden_states, tokens_per_expert)
             counts = torch.as_tensor(list(tokens_per_expert), dtype=torch.long)
             if len(counts) != self.num_local_experts:
                 raise ExpertDispatchUnsupported(f"the engine dispatched to {len(counts)} experts; this rank "
@@ -169,12 +189,14 @@ def dispatcher_class(chunks: int = 1) -> type:
             return shared.get_output()
 
         def combine_preprocess(self, hidden_states):
+            if self.replicas is not None:  # the replica slots' rows after the owned ones, in slot order
+                return self.replicas.join(hidden_states)
             return hidden_states
 
         def token_combine(self, hidden_states, *args, **kwargs):
             if self.overlapped:
                 return hidden_states
-            output = self.engine.combine(hidden_states)
+            output = (self.engine if self.replicas is None else self.replicas).combine(hidden_states)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc2_forward()
                 self.shared_experts.post_forward_comm()
@@ -203,10 +225,15 @@ def _wrap_routed_experts_compute(original):
 
 
 def patches(args) -> list[Patch]:
+    from hyper_adaptor.patches.expert import replicas
+
     chunks = int(getattr(args, "moe_dispatch_chunks", 1) or 1)
+    hot = int(getattr(args, "moe_hot_expert_replicas", 0) or 0)
+    interval = int(getattr(args, "moe_replica_interval", 100) or 100)
     return [
         # only moe_layer's binding: megatron's class stays what token_dispatcher defines
-        Patch(TARGET, dispatcher_class(chunks), "replace", FEATURE, rebind_in=()),
+        Patch(TARGET, dispatcher_class(chunks, hot, interval), "replace", FEATURE, rebind_in=()),
         # megatron's own method unless this feature's dispatcher runs its overlapped schedule
         Patch(EXPERTS_TARGET, _wrap_routed_experts_compute, "wrap", FEATURE),
+        *replicas.patches(args),
     ]
