@@ -24,7 +24,7 @@ $(STAMP): setup.py Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet numpy
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout "$(RUFF_SPEC)"
+	$(PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout pytest-xdist "$(RUFF_SPEC)"
 	$(PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -e .
 	# the other megatron-core releases the patches are checked against, unpacked by the tests as
@@ -42,9 +42,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The whole suite (unit, distributed parity, end to end), after the linter.
+# The whole suite (unit, distributed parity, end to end), after the linter. The unit tests run on two
+# workers (pytest-xdist; they are single-process and independent); the distributed and torchrun tests
+# one at a time (each spawns its own world of processes).
 test: lint
-	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --durations=20 $(PYTEST_ARGS) tests/unit
+	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) tests/distributed tests/e2e tests/gpu
 
 # Without the end-to-end torchrun runs.
 test-fast: lint

@@ -44,10 +44,11 @@ def build(d: dict, ep: int, dispatcher: str, engine_chunks: int = 1, shared: boo
     if dispatcher == "engine":
         from hyper_adaptor.patches.expert.dispatcher import dispatcher_class
 
-        old = layer.token_dispatcher
+        from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+
         layer.token_dispatcher = dispatcher_class(engine_chunks)(
-            layer.num_local_experts, layer.local_expert_indices, config=config, pg_collection=old.pg_collection
-            if hasattr(old, "pg_collection") else None)
+            layer.num_local_experts, layer.local_expert_indices, config=config,
+            pg_collection=get_default_pg_collection())
         if layer.shared_expert_overlap:
             layer.token_dispatcher.set_shared_experts(layer.shared_experts)
     _load_weights(layer, d, ep)

@@ -22,6 +22,9 @@ The flags around it:
   by the engine's plain dispatch and combine in megatron's dispatch and combine nodes. The engine's
   chunked overlap runs dispatch, experts and combine as one schedule inside a node, so
   ``--moe-dispatch-chunks`` > 1 (and MindSpeed's flag) is an error with it.
+- ``--moe-hot-expert-replicas R`` / ``--moe-replica-interval N``: every N steps the R most loaded experts
+  get a copy on the least loaded expert-parallel ranks (``patches/expert/replicas.py``); dropless, expert
+  tensor parallel 1 and no chunks (errors naming the flags otherwise).
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ ALLTOALL_OVERLAP_CHUNKS = 2
 
 def engine(args) -> str:
     return getattr(args, "moe_dispatcher_engine", None) or "megatron"
+
+
+def hot_replicas(args) -> int:
+    return int(getattr(args, "moe_hot_expert_replicas", None) or 0)
 
 
 def chunks(args) -> int:
@@ -60,12 +67,21 @@ class ExpertParallel(Feature):
              "MindSpeed's spelling: hide the all-to-all dispatcher's communication under expert compute; "
              "served by --moe-dispatcher-engine hyper with --moe-dispatch-chunks "
              f"{ALLTOALL_OVERLAP_CHUNKS} unless given"),
+        Flag("--moe-hot-expert-replicas",
+             "with --moe-dispatcher-engine hyper: R extra copies of the most loaded experts on the least loaded "
+             "expert-parallel ranks, replanned from the measured token counts; training equals the run without "
+             "(replica gradients added to the owner's, optimizer state with the owner). 0: none; at most "
+             "experts x (EP - 1)",
+             {"type": int, "default": 0}),
+        Flag("--moe-replica-interval",
+             "with --moe-hot-expert-replicas: steps between two replica plans (per-rank load logged at each)",
+             {"type": int, "default": 100}),
     )
     # asking for the engine and getting megatron's dispatcher instead would change what runs without a word
     refuse_below_level = True
 
     def requested(self, args) -> bool:
-        return (engine(args) != "megatron" or chunks(args) != 1
+        return (engine(args) != "megatron" or chunks(args) != 1 or hot_replicas(args) != 0
                 or bool(getattr(args, "moe_alltoall_overlap_comm", False)))
 
     def below_level_error(self, args) -> str:
@@ -74,6 +90,8 @@ class ExpertParallel(Feature):
             asked.append(f"--moe-dispatch-chunks {chunks(args)}")
         if getattr(args, "moe_alltoall_overlap_comm", False):
             asked.append("--moe-alltoall-overlap-comm")
+        if hot_replicas(args):
+            asked.append(f"--moe-hot-expert-replicas {hot_replicas(args)}")
         return (f"{', '.join(asked)} (hyper_adaptor's token-dispatch engine) needs --optimization-level 2; "
                 f"got --optimization-level {args.optimization_level}")
 
@@ -90,6 +108,8 @@ class ExpertParallel(Feature):
         return notices
 
     def validate(self, args) -> None:
+        if hot_replicas(args):
+            self._validate_replicas(args)
         n = chunks(args)
         if n < 1:
             raise FeatureConfigError(f"--moe-dispatch-chunks must be >= 1; got {n}")
@@ -148,6 +168,54 @@ class ExpertParallel(Feature):
             "moe_latent_size": "--moe-latent-size",
         }
         refuse_combined(args, asked, refused)
+
+    @staticmethod
+    def _validate_replicas(args) -> None:
+        r = hot_replicas(args)
+        asked = f"--moe-hot-expert-replicas {r}"
+        if r < 0:
+            raise FeatureConfigError(f"--moe-hot-expert-replicas must be >= 0; got {r}")
+        interval = getattr(args, "moe_replica_interval", 100)
+        if interval is None or interval < 1:
+            raise FeatureConfigError(f"--moe-replica-interval must be >= 1 step with {asked}; got {interval}")
+        if engine(args) != "hyper":
+            raise FeatureConfigError(f"{asked} needs --moe-dispatcher-engine hyper (replicas are served by "
+                                     f"hyper_adaptor's engine); got --moe-dispatcher-engine {engine(args)}")
+        ep = getattr(args, "expert_model_parallel_size", 1) or 1
+        if ep < 2:
+            raise FeatureConfigError(f"{asked} needs --expert-model-parallel-size > 1 (a replica lives on another "
+                                     f"expert-parallel rank); got --expert-model-parallel-size {ep}")
+        experts = getattr(args, "num_experts", None)
+        if experts and r > experts * (ep - 1):
+            raise FeatureConfigError(f"{asked}: at most --num-experts x (--expert-model-parallel-size - 1) = "
+                                     f"{experts * (ep - 1)} (one copy of an expert per rank)")
+        if getattr(args, "moe_expert_capacity_factor", None) is not None:
+            raise FeatureConfigError(f"{asked} cannot be combined with --moe-expert-capacity-factor (replicas "
+                                     "need dropless dispatch: a capacity per copy would drop other tokens)")
+        if getattr(args, "moe_pad_expert_input_to_capacity", False):
+            raise FeatureConfigError(f"{asked} cannot be combined with --moe-pad-expert-input-to-capacity "
+                                     "(replicas need dropless dispatch)")
+        if chunks(args) > 1:
+            raise FeatureConfigError(f"{asked} cannot be combined with --moe-dispatch-chunks {chunks(args)}"
+                                     + (" (asked by --moe-alltoall-overlap-comm)"
+                                        if getattr(args, "moe_alltoall_overlap_comm", False) else ""))
+        etp = getattr(args, "expert_tensor_parallel_size", None) \
+            or getattr(args, "tensor_model_parallel_size", 1) or 1
+        if etp > 1:
+            raise FeatureConfigError(f"{asked} is not served with expert tensor parallel "
+                                     f"(--expert-tensor-parallel-size {etp}, megatron's default being "
+                                     "--tensor-model-parallel-size): add --expert-tensor-parallel-size 1")
+        refuse_combined(args, asked, {
+            "overlap_grad_reduce": "--overlap-grad-reduce (the replica gradients reach their owners before "
+                                   "megatron's gradient reduction, which then must not start in the backward)",
+            "overlap_param_gather": "--overlap-param-gather (replicas copy the owners' weights after the "
+                                    "optimizer step)",
+            "overlap_moe_expert_parallel_comm": "--overlap-moe-expert-parallel-comm (its schedule nodes and the "
+                                                "replica rows are not tested together)",
+            "use_hsdp": "--use-hsdp",
+            "use_megatron_fsdp": "--use-megatron-fsdp",
+            "use_torch_fsdp2": "--use-torch-fsdp2",
+        })
 
     def patches(self, args):
         from hyper_adaptor.patches.expert import dispatcher

@@ -19,6 +19,8 @@ from tests.distributed.gpt_parity import MICRO_BATCH, SEQ, VOCAB, _micro_batch_d
 
 LAYERS, EXPERTS, TOPK, GLOBAL_BATCH, STEPS, SEED = 2, 4, 2, 16, 3, 1234
 CLIP = 0.5  # below the first steps' gradient norms (about 0.57 and 0.55): clipping acts, then does not
+# the model's sizes; a run's "dims" overrides some (bench/_moe_memory.py builds a larger one)
+DIMS = dict(layers=LAYERS, hidden=64, heads=4, ffn=128, experts=EXPERTS, topk=TOPK, moe_ffn=96, seq=SEQ, vocab=VOCAB)
 
 
 def _batches(step: int) -> list:
@@ -27,7 +29,7 @@ def _batches(step: int) -> list:
     return [tokens[i : i + MICRO_BATCH] for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
 
 
-def _hsdp_args(run: dict, tp: int, ep: int, etp: int) -> types.SimpleNamespace:
+def _hsdp_args(run: dict, tp: int, ep: int, etp: int, experts: int = EXPERTS) -> types.SimpleNamespace:
     """--use-hsdp's flags for ``run``, checked and applied as megatron.training's validate_args would."""
     from hyper_adaptor.megatron_adaptor import ADAPTOR
 
@@ -36,7 +38,7 @@ def _hsdp_args(run: dict, tp: int, ep: int, etp: int) -> types.SimpleNamespace:
         hsdp_shard_size=run.get("shard", -1), hsdp_threshold_kb=0.0, hsdp_comm_async=bool(run.get("comm_async")),
         world_size=dist.get_world_size(),
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, num_experts=EXPERTS, fp16=bool(run.get("fp16")))
+        expert_tensor_parallel_size=etp, num_experts=experts, fp16=bool(run.get("fp16")))
     ADAPTOR.prepare(args, say=False)
     ADAPTOR.apply_features(args)
     return args
@@ -55,13 +57,15 @@ def _build(run: dict):
 
     tp, ep, etp = run.get("tp", 1), run["ep"], run.get("etp", run.get("tp", 1))
     fp16 = bool(run.get("fp16"))
+    d = {**DIMS, **run.get("dims", {})}
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     torch.manual_seed(SEED)
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, add_bias_linear=False,
-        activation_func=F.gelu, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=96,
+        num_layers=d["layers"], hidden_size=d["hidden"], num_attention_heads=d["heads"], ffn_hidden_size=d["ffn"],
+        add_bias_linear=False, activation_func=F.gelu, num_moe_experts=d["experts"], moe_router_topk=d["topk"],
+        moe_ffn_hidden_size=d["moe_ffn"],
         moe_token_dispatcher_type=run.get("dispatcher", "alltoall"), moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=1e-2,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
@@ -70,8 +74,8 @@ def _build(run: dict):
         gradient_accumulation_fusion=False, persist_layer_norm=False, fp16=fp16,
         params_dtype=torch.float16 if fp16 else torch.float32, pipeline_dtype=torch.float16 if fp16 else torch.float32,
     )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS),
-                     vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=True)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=d["experts"]),
+                     vocab_size=d["vocab"], max_sequence_length=d["seq"], share_embeddings_and_output_weights=True)
     if fp16:
         from megatron.core.transformer.module import Float16Module
 
@@ -82,7 +86,7 @@ def _build(run: dict):
         from hyper_adaptor.patches.hsdp import data_parallel
         from hyper_adaptor.patches.hsdp.patches import hsdp_kwargs
 
-        wrapper = data_parallel.make_wrapper_class(hsdp_kwargs(_hsdp_args(run, tp, ep, etp)))
+        wrapper = data_parallel.make_wrapper_class(hsdp_kwargs(_hsdp_args(run, tp, ep, etp, d["experts"])))
         if run.get("wrong_expert_scale"):  # the negative control: experts averaged over their own group only
             right = data_parallel._expert_kwargs
             data_parallel._expert_kwargs = lambda kw, *groups: {**right(kw, *groups), "grad_scale": 1.0}

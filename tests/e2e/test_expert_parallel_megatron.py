@@ -8,7 +8,9 @@ dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and 
 recompute of the MoE layer and hyper_adaptor's activation swap; in bf16, megatron's combined 1F1B
 (``--overlap-moe-expert-parallel-comm``) with megatron's dispatcher and with the engine's; the engine at
 EP 2 x CP 2 (4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
-hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2.
+hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2; and the engine with
+hot-expert replicas (``--moe-hot-expert-replicas 2 --moe-replica-interval 2``) against megatron's dispatcher
+without them, with rank 0's per-rank load line at each plan.
 
 Tolerances: losses 1e-5 relative (fp32; megatron logs 7 significant digits); grad norms 1e-5 relative
 (logged with 4 significant digits, so equal as printed).
@@ -59,6 +61,26 @@ def test_ep2_engine_matches_megatrons_dispatcher(megatron_ep2, extra):
     losses, output = pretrain(2, *COMMON, *ENGINE, *extra, model=MOE_MODEL)
     assert ("swap (level 2) applied" in output) == ("--swap-attention" in extra)
     _matches(megatron_ep2, losses, output)
+
+
+def test_ep2_engine_with_hot_expert_replicas_matches_megatrons_dispatcher(megatron_ep2):
+    """Replicas planned every 2 iterations (so iterations 3 and 4 run with them): the same losses and grad
+    norms as megatron's own dispatcher without replicas, and rank 0 logs the per-rank load at each plan."""
+    losses, output = pretrain(2, *COMMON, *ENGINE, "--moe-hot-expert-replicas", "2", "--moe-replica-interval", "2",
+                              model=MOE_MODEL)
+    _matches(megatron_ep2, losses, output)
+    # tighter than 1e-5: a replica gradient that never reaches its owner moves iteration 4's loss by about
+    # 1e-5 relative here (the loads are nearly even, so the replicas take few tokens); with the reduction
+    # the losses agree to the last digit megatron prints
+    want = megatron_ep2[0]
+    assert all(_close(losses[i], want[i], 5e-7) for i in want), (losses, want)
+    lines = [line for line in output.splitlines() if line.startswith("hot-expert replicas (MoE layer")]
+    # one line per MoE layer (4) per plan (iterations 2 and 4), from rank 0 only
+    assert len(lines) == 8, output[-3000:]
+    assert sorted(int(line.split("MoE layer ")[1].split(")")[0]) for line in lines) == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert all("before [" in line and "after [" in line and "max/mean" in line for line in lines), lines
+    # the plans of iteration 4 were measured over iterations 3 and 4, served by the replicas of iteration 2
+    assert any("replicas: expert" in line for line in lines[:4]), lines
 
 
 PP2 = ["--pipeline-model-parallel-size", "2"]

@@ -150,3 +150,49 @@ def test_validate_leaves_args_as_it_found_them():
     before = dict(vars(args))
     feature().validate(args)
     assert vars(args) == before
+
+
+# hot-expert replicas
+EP2 = ("--expert-model-parallel-size", "2")
+REPLICAS = ("--moe-hot-expert-replicas", "2")
+
+
+def test_hot_expert_replicas_are_served_on_the_engine_with_their_training_seams():
+    from hyper_adaptor.patches.expert import replicas
+
+    args, _ = _prepare(*MOE, *ENGINE, *EP2, *REPLICAS, "--moe-replica-interval", "3")
+    assert feature().is_enabled(args) and args.moe_hot_expert_replicas == 2 and args.moe_replica_interval == 3
+    patches = feature().patches(args)
+    assert [p.target for p in patches[2:]] == [replicas.FINISH_TARGET, replicas.STEP_TARGET]
+    off, _ = _prepare(*MOE, *ENGINE, *EP2)
+    assert off.moe_hot_expert_replicas == 0 and off.moe_replica_interval == 100 and len(feature().patches(off)) == 2
+
+
+@pytest.mark.parametrize("flags, named", [
+    ((*MOE, *EP2, *REPLICAS), ("--moe-hot-expert-replicas 2", "--moe-dispatcher-engine hyper")),
+    ((*MOE, *ENGINE, *REPLICAS), ("--moe-hot-expert-replicas 2", "--expert-model-parallel-size")),
+    ((*MOE, *ENGINE, *EP2, "--moe-hot-expert-replicas", "5"), ("--moe-hot-expert-replicas 5", "--num-experts",
+                                                               "= 4")),
+    ((*MOE, *ENGINE, *EP2, "--moe-hot-expert-replicas", "-1"), ("--moe-hot-expert-replicas", ">= 0")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--moe-replica-interval", "0"), ("--moe-replica-interval", ">= 1",
+                                                                       "--moe-hot-expert-replicas 2")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--moe-expert-capacity-factor", "1.0"),
+     ("--moe-hot-expert-replicas 2", "--moe-expert-capacity-factor")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"),
+     ("--moe-hot-expert-replicas 2", "--moe-expert-capacity-factor")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--moe-dispatch-chunks", "2"),
+     ("--moe-hot-expert-replicas 2", "--moe-dispatch-chunks 2")),
+    ((*MOE, *EP2, *REPLICAS, "--moe-alltoall-overlap-comm"),
+     ("--moe-hot-expert-replicas 2", "--moe-dispatch-chunks 2 (asked by --moe-alltoall-overlap-comm)")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--tensor-model-parallel-size", "2", "--sequence-parallel"),
+     ("--moe-hot-expert-replicas 2", "--expert-tensor-parallel-size 2")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--overlap-grad-reduce"), ("--moe-hot-expert-replicas 2",
+                                                                 "--overlap-grad-reduce")),
+    ((*MOE, *ENGINE, *EP2, *REPLICAS, "--optimization-level", "1"),
+     ("--moe-hot-expert-replicas 2", "--optimization-level 2")),
+])
+def test_hot_expert_replicas_refused_naming_the_flags(flags, named):
+    with pytest.raises(FeatureConfigError) as error:
+        _prepare(*flags)
+    for name in named:
+        assert name in str(error.value), (name, str(error.value))

@@ -50,6 +50,12 @@ its forward; the plain path serves them with copies where megatron's own dispatc
 (see ``split_nodes``). Under hyper_adaptor's interleaved schedule the same flag wraps the engine's dispatch
 and combine in the hooks of :func:`pair_overlap` instead.
 
+Hot-expert replicas (``--moe-hot-expert-replicas R``, ``replicas.py``): the dispatch goes over the plan's
+slots with its uneven placement; ``dispatch_postprocess`` hands megatron's experts the rows of the slots
+this rank owns and ``combine_preprocess`` appends the rows of its replica slots, computed with copies of
+the owners' weights. The plain path serves them (with megatron's ``--moe-shared-expert-overlap`` the
+shared expert then runs between the engine's steps, as with expert tensor parallel).
+
 Groups are megatron's (``pg_collection``): expert parallel ``ep``, expert tensor parallel ``expt_tp``
 (the all-gather megatron's dispatcher does after the exchange, and the reduce-scatter before it).
 With attention tensor parallel and sequence parallel each TP rank routes its own part of the sequence,
@@ -90,10 +96,11 @@ def pair_overlap(create: bool = True):
     return _PAIR_OVERLAP
 
 
-def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
+def dispatcher_class(chunks: int = 1, pair_hooks: bool = False, replicas: int = 0, interval: int = 100) -> type:
     """megatron's ``MoETokenDispatcher`` with the engine's dispatch and combine (``chunks`` > 1: the
-    engine's chunked overlap; ``pair_hooks``: dispatch and combine wrapped by :func:`pair_overlap`), built
-    when the patch is made so that both are bound into it."""
+    engine's chunked overlap; ``pair_hooks``: dispatch and combine wrapped by :func:`pair_overlap`;
+    ``replicas`` > 0: hot-expert replicas, ``replicas.py``), built when the patch is made so that these are
+    bound into it."""
     from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
     class EngineAlltoAllTokenDispatcher(MoETokenDispatcher):
@@ -141,12 +148,22 @@ def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
                 overlap = pair_overlap()
                 self.dispatch_fn = overlap.wrap_dispatch(self.engine.dispatch)
                 self.combine_fn = overlap.wrap_combine(self.engine.combine)
+            self.replicas = None
+            if replicas:
+                from hyper_adaptor.patches.expert.replicas import ReplicaRouting
+
+                if chunks > 1 or self.tp_size > 1 or self.pad or config.moe_expert_capacity_factor is not None:
+                    raise ExpertDispatchUnsupported(
+                        f"--moe-hot-expert-replicas {replicas} needs dropless dispatch, expert tensor parallel 1 "
+                        "and --moe-dispatch-chunks 1")
+                self.replicas = ReplicaRouting(self, replicas, interval)
 
         def dispatch_preprocess(self, hidden_states, routing_map, probs):
             self.hidden_shape = hidden_states.shape
             self.routing_map = routing_map
             self.probs_dtype = probs.dtype
-            self.overlapped = (chunks > 1 or self.shared_experts is not None) and self.tp_size == 1 and not self.pad
+            self.overlapped = (chunks > 1 or self.shared_experts is not None) and self.tp_size == 1 \
+                and not self.pad and self.replicas is None
             tokens = hidden_states.reshape(-1, self.hidden_shape[-1])
             if self.config.moe_apply_probs_on_input:
                 # top-1: the token's one probability scales its expert input, as megatron's experts do
@@ -170,7 +187,8 @@ def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
                 # megatron frees the dispatch node's inputs after its forward; the probabilities' gradient,
                 # taken in the combine node, still reads them
                 probs = probs.clone()
-            expert_input, tokens_per_expert = self.dispatch_fn(hidden_states, self.routing_map, probs)
+            dispatch = self.dispatch_fn if self.replicas is None else self.replicas.dispatch
+            expert_input, tokens_per_expert = dispatch(hidden_states, self.routing_map, probs)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc1_forward_and_act()
             if self.split_nodes:
@@ -193,6 +211,8 @@ def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
                 unit, tokens_per_expert, self.tokens_per_expert = tokens_per_expert, self.tokens_per_expert, None
                 if tokens_per_expert is None:
                     raise ExpertDispatchUnsupported("dispatch_postprocess without a token_dispatch before it")
+            if self.replicas is not None and not self.overlapped:  # the replica slots' rows stay here
+                hidden_states, tokens_per_expert = self.replicas.split(hidden_states, tokens_per_expert)
             counts = torch.as_tensor(list(tokens_per_expert), dtype=torch.long)
             if len(counts) != self.num_local_experts:
                 raise ExpertDispatchUnsupported(f"the engine dispatched to {len(counts)} experts; this rank "
@@ -233,12 +253,14 @@ def dispatcher_class(chunks: int = 1, pair_hooks: bool = False) -> type:
             return shared.get_output()
 
         def combine_preprocess(self, hidden_states):
+            if self.replicas is not None:  # the replica slots' rows after the owned ones, in slot order
+                return self.replicas.join(hidden_states)
             return hidden_states
 
         def token_combine(self, hidden_states, *args, **kwargs):
             if self.overlapped:
                 return hidden_states
-            output = self.combine_fn(hidden_states)
+            output = self.combine_fn(hidden_states) if self.replicas is None else self.replicas.combine(hidden_states)
             if self.shared_experts is not None:
                 self.shared_experts.linear_fc2_forward()
                 self.shared_experts.post_forward_comm()
@@ -267,13 +289,18 @@ def _wrap_routed_experts_compute(original):
 
 
 def patches(args) -> list[Patch]:
+    from hyper_adaptor.patches.expert import replicas
+
     chunks = int(getattr(args, "moe_dispatch_chunks", 1) or 1)
     # the pipeline feature pairs micro-batches through pair_overlap() under this combination
     pair_hooks = bool(getattr(args, "overlap_moe_expert_parallel_comm", False) and getattr(args, "pipeline_schedule",
                                                                                            None))
+    hot = int(getattr(args, "moe_hot_expert_replicas", 0) or 0)
+    interval = int(getattr(args, "moe_replica_interval", 100) or 100)
     return [
         # only moe_layer's binding: megatron's class stays what token_dispatcher defines
-        Patch(TARGET, dispatcher_class(chunks, pair_hooks), "replace", FEATURE, rebind_in=()),
+        Patch(TARGET, dispatcher_class(chunks, pair_hooks, hot, interval), "replace", FEATURE, rebind_in=()),
         # megatron's own method unless this feature's dispatcher runs its overlapped schedule
         Patch(EXPERTS_TARGET, _wrap_routed_experts_compute, "wrap", FEATURE),
+        *replicas.patches(args),
     ]
