@@ -3,14 +3,15 @@
 A GPT-MoE as a user would write it — 8 experts, top-2, a shared expert, RMSNorm, SwiGLU, aux-loss router,
 megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM) — at expert parallel 2
 on 2 ranks with hyper_adaptor's token-dispatch engine, against the same command line with megatron's own
-dispatcher; then the engine with megatron's ``--moe-shared-expert-overlap`` and with MindSpeed's
-``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks), under megatron's selective
-recompute of the MoE layer and hyper_adaptor's activation swap; in bf16, megatron's combined 1F1B
-(``--overlap-moe-expert-parallel-comm``) with megatron's dispatcher and with the engine's; the engine at
-EP 2 x CP 2 (4 ranks) against the same 2-rank megatron run (same global batch), and at EP 2 x PP 2 (megatron's 1F1B and
-hyper_adaptor's zero-bubble ``zbh1``) against megatron's own dispatcher at EP 2 x PP 2; and the engine with
-hot-expert replicas (``--moe-hot-expert-replicas 2 --moe-replica-interval 2``) against megatron's dispatcher
-without them, with rank 0's per-rank load line at each plan.
+dispatcher: the engine with megatron's ``--moe-shared-expert-overlap`` and MindSpeed's
+``--moe-alltoall-overlap-comm`` (the engine's chunked overlap, 2 chunks) under ``--deterministic-mode`` (twice:
+bitwise equal); under megatron's selective recompute of the MoE layer and hyper_adaptor's activation swap
+with 2 chunks; with hot-expert replicas (``--moe-hot-expert-replicas 2 --moe-replica-interval 2``, rank 0's
+per-rank load line at each plan); at EP 2 x CP 2 (4 ranks) against the same 2-rank megatron run (same global
+batch); at EP 2 x PP 2 under hyper_adaptor's zero-bubble ``zbh1`` against megatron's own dispatcher and 1F1B.
+In bf16: megatron's combined 1F1B (``--overlap-moe-expert-parallel-comm``) with megatron's dispatcher (the
+losses of its plain schedule) and with the engine's; hyper_adaptor's interleaved schedule pairing micro-batches
+through the engine's hooks against the same schedule unpaired.
 
 Tolerances: losses 1e-5 relative (fp32; megatron logs 7 significant digits); grad norms 1e-5 relative
 (logged with 4 significant digits, so equal as printed).
@@ -52,15 +53,28 @@ def _matches(want, losses, output):
     assert all(_close(norms[i], want_norms[i]) for i in want_norms), (norms, want_norms)
 
 
-@pytest.mark.parametrize("extra", [
-    [], ["--moe-shared-expert-overlap"], ["--moe-alltoall-overlap-comm"],
-    ["--recompute-granularity", "selective", "--recompute-modules", "moe"],
-    ["--swap-attention", "--moe-dispatch-chunks", "2"],
-], ids=["engine", "engine-shared-overlap", "mindspeed-alltoall-overlap-comm", "recompute-moe", "swap-chunks2"])
-def test_ep2_engine_matches_megatrons_dispatcher(megatron_ep2, extra):
+# Several engine features per torchrun run (each run costs a megatron start-up on 2 cores): the first two
+# combinations together serve every engine flag, each against megatron's dispatcher.
+COMBINED = {
+    # MindSpeed's flag asks for the engine's chunked overlap (2 chunks); the shared expert under the dispatch;
+    # run twice under --deterministic-mode: the two runs equal each other bitwise
+    "shared-overlap-mindspeed-deterministic": ["--moe-shared-expert-overlap", "--moe-alltoall-overlap-comm",
+                                               "--deterministic-mode"],
+    # megatron's selective recompute of the MoE layer and hyper_adaptor's activation swap, over 2 chunks
+    "recompute-moe-swap-chunks2": ["--recompute-granularity", "selective", "--recompute-modules", "moe",
+                                   "--swap-attention", "--moe-dispatch-chunks", "2"],
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINED))
+def test_ep2_engine_matches_megatrons_dispatcher(megatron_ep2, name):
+    extra = COMBINED[name]
     losses, output = pretrain(2, *COMMON, *ENGINE, *extra, model=MOE_MODEL)
     assert ("swap (level 2) applied" in output) == ("--swap-attention" in extra)
     _matches(megatron_ep2, losses, output)
+    if "--deterministic-mode" in extra:
+        again, again_output = pretrain(2, *COMMON, *ENGINE, *extra, model=MOE_MODEL)
+        assert again == losses and grad_norms(again_output) == grad_norms(output)
 
 
 def test_ep2_engine_with_hot_expert_replicas_matches_megatrons_dispatcher(megatron_ep2):
@@ -101,10 +115,11 @@ def megatron_ep2_pp2():
     return losses, grad_norms(output)
 
 
-@pytest.mark.parametrize("schedule", [[], ["--pipeline-schedule", "zbh1"]], ids=["1f1b", "zbh1"])
-def test_ep2_pp2_engine_matches_megatrons_dispatcher_at_ep2_pp2(megatron_ep2_pp2, schedule):
-    losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, *schedule, model=MOE_MODEL, timeout=600)
-    assert ("pipeline (level 2) applied" in output) == bool(schedule)
+def test_ep2_pp2_engine_under_zbh1_matches_megatrons_dispatcher_under_1f1b(megatron_ep2_pp2):
+    """The engine in hyper_adaptor's zero-bubble schedule (split weight gradients) against megatron's own
+    dispatcher and 1F1B at the same layout (the engine under megatron's 1F1B is the distributed tests')."""
+    losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, "--pipeline-schedule", "zbh1", model=MOE_MODEL, timeout=600)
+    assert "pipeline (level 2) applied" in output
     _matches(megatron_ep2_pp2, losses, output)
 
 
@@ -114,21 +129,6 @@ def megatron_ep2_bf16():
     assert APPLIED not in output
     assert sorted(losses) == [1, 2, 3, 4]
     return losses, grad_norms(output)
-
-
-@pytest.fixture(scope="module")
-def engine_ep2_bf16():
-    losses, output = pretrain(2, *COMMON, "--bf16", *ENGINE, model=MOE_MODEL)
-    assert APPLIED in output
-    return losses, grad_norms(output)
-
-
-def test_ep2_engine_in_bf16_follows_megatrons_dispatcher_in_bf16(megatron_ep2_bf16, engine_ep2_bf16):
-    """bf16: the engine weights the expert outputs after the second projection (megatron: the activation
-    before it), so a bf16 rounding lands elsewhere; the losses stay within bf16's precision."""
-    (want, _), (losses, _) = megatron_ep2_bf16, engine_ep2_bf16
-    assert sorted(losses) == sorted(want) == [1, 2, 3, 4]
-    assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
 
 
 # megatron's combined 1F1B (bf16 or fp16 only): it asks the script's forward_step for the model's schedule
@@ -142,24 +142,16 @@ def test_ep2_megatrons_combined_1f1b_gives_the_losses_of_its_plain_schedule(mega
     assert (losses, grad_norms(output)) == megatron_ep2_bf16
 
 
-def test_ep2_engine_in_megatrons_combined_1f1b(megatron_ep2_bf16, engine_ep2_bf16):
-    """The engine's dispatch and combine as megatron's dispatch and combine nodes: the same arithmetic as the
-    engine's plain run, and megatron's dispatcher (whose losses the combined schedule leaves as they are)
-    within bf16's precision."""
+def test_ep2_engine_in_megatrons_combined_1f1b_follows_megatrons_dispatcher_in_bf16(megatron_ep2_bf16):
+    """The engine's dispatch and combine as megatron's dispatch and combine nodes, in bf16. The engine weights
+    the expert outputs after the second projection (megatron: the activation before it), so a bf16 rounding
+    lands elsewhere: within bf16's precision of megatron's dispatcher (whose losses the combined schedule
+    leaves as they are, above)."""
     losses, output = pretrain(2, *COMMON, *COMBINED_1F1B, *ENGINE, model=MOE_MODEL)
     assert APPLIED in output
-    assert (losses, grad_norms(output)) == engine_ep2_bf16
     want = megatron_ep2_bf16[0]
+    assert sorted(losses) == sorted(want) == [1, 2, 3, 4]
     assert all(_close(losses[i], want[i], 2e-3) for i in want), (losses, want)
-
-
-def test_ep2_engine_with_deterministic_mode_repeats_bitwise():
-    flags = [*COMMON, "--deterministic-mode", *ENGINE, "--moe-dispatch-chunks", "2", "--moe-shared-expert-overlap"]
-    first, first_output = pretrain(2, *flags, model=MOE_MODEL)
-    second, second_output = pretrain(2, *flags, model=MOE_MODEL)
-    assert APPLIED in first_output
-    assert sorted(first) == [1, 2, 3, 4] and first == second
-    assert grad_norms(first_output) == grad_norms(second_output)
 
 
 def test_ep2_pp2_interleaved_pairs_forward_and_backward_through_the_engines_hooks():
