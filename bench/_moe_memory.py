@@ -63,18 +63,10 @@ def _train_step(chunk, optimizer, data: dict, d: dict) -> float:
     and the optimizer; the loss averaged over data parallel."""
     import torch.distributed as dist
 
+    from bench._gpt_step import forward_step  # the GPT step's loss: the mean token loss
+
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-
-        def loss_func(output_tensor):
-            loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return output, loss_func
 
     chunk.zero_grad_buffer()
     optimizer.zero_grad()
