@@ -8,7 +8,8 @@ dispatcher: the engine with megatron's ``--moe-shared-expert-overlap`` and MindS
 bitwise equal); under megatron's selective recompute of the MoE layer and hyper_adaptor's activation swap
 with 2 chunks; with hot-expert replicas (``--moe-hot-expert-replicas 2 --moe-replica-interval 2``, rank 0's
 per-rank load line at each plan); at EP 2 x CP 2 (4 ranks) against the same 2-rank megatron run (same global
-batch); at EP 2 x PP 2 under hyper_adaptor's zero-bubble ``zbh1`` against megatron's own dispatcher and 1F1B.
+batch); at EP 2 x PP 2 under hyper_adaptor's zero-bubble ``zbh1`` against megatron's own dispatcher and 1F1B,
+and under ``zbv`` (V placement, two chunks per rank) against megatron's dispatcher under ``zbv``.
 In bf16: megatron's combined 1F1B (``--overlap-moe-expert-parallel-comm``) with megatron's dispatcher (the
 losses of its plain schedule) and with the engine's; hyper_adaptor's interleaved schedule pairing micro-batches
 through the engine's hooks against the same schedule unpaired.
@@ -121,6 +122,18 @@ def test_ep2_pp2_engine_under_zbh1_matches_megatrons_dispatcher_under_1f1b(megat
     losses, output = pretrain(4, *COMMON, *ENGINE, *PP2, "--pipeline-schedule", "zbh1", model=MOE_MODEL, timeout=600)
     assert "pipeline (level 2) applied" in output
     _matches(megatron_ep2_pp2, losses, output)
+
+
+def test_ep2_pp2_engine_under_zbv_matches_megatrons_dispatcher_under_zbv():
+    """ZBV's V placement (two model chunks per rank, untied output layer) with the engine against megatron's
+    dispatcher under the same schedule (the V puts layers on other ranks than 1F1B, so it is its own
+    reference)."""
+    flags = [*COMMON, *PP2, "--num-virtual-stages-per-pipeline-rank", "2", "--untie-embeddings-and-output-weights",
+             "--pipeline-schedule", "zbv"]
+    want, want_output = pretrain(4, *flags, model=MOE_MODEL, timeout=600)
+    assert APPLIED not in want_output
+    losses, output = pretrain(4, *flags, *ENGINE, model=MOE_MODEL, timeout=600)
+    _matches((want, grad_norms(want_output)), losses, output)
 
 
 @pytest.fixture(scope="module")
