@@ -203,10 +203,12 @@ def test_the_recorder_sees_collectives_on_gloos_own_threads(tmp_path, capsys):
     if created:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
-        x = torch.ones(1 << 16)
-        _run(_config(tmp_path), range(4), lambda: dist.all_reduce(x))
+        # enough bytes per step that the collectives' time cannot round to 0.0 ms on a fast, idle machine
+        x = torch.ones(1 << 20)
+        _run(_config(tmp_path), range(4), lambda: [dist.all_reduce(x) for _ in range(8)])
     finally:
         if created:
             dist.destroy_process_group()
-    share = re.search(r"communication ([0-9.]+) ms", capsys.readouterr().out)
-    assert share and float(share.group(1)) > 0
+    out = capsys.readouterr().out
+    share = re.search(r"communication ([0-9.]+) ms", out)
+    assert share and float(share.group(1)) > 0, out
