@@ -54,8 +54,8 @@ def _step(layer, x, probe):
 def run(quick: bool, steps: int, warmup: int, dtype_name: str) -> dict:
     import types
 
-    from hyper_adaptor.patch_manager import PatchManager
     import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line, as a pretrain script has it: level 0)
+    from hyper_adaptor.patch_manager import PatchManager
     from hyper_adaptor.patches.expert import dispatcher
 
     from megatron.core import parallel_state as ps
@@ -116,10 +116,11 @@ def run(quick: bool, steps: int, warmup: int, dtype_name: str) -> dict:
 
 def table(result: dict) -> str:
     d = result["dims"]
+    head = ("| contender | median step ms (fwd+bwd) | step peak MiB over allocated "
+            "| output vs megatron's (max, relative) |")
     lines = [f"One MoE layer on {result['device']} ({result['dtype']}; hidden {d['hidden']}, ffn {d['ffn']}, "
              f"{d['experts']} experts top-{d['topk']}, {result['tokens']} tokens, expert parallel 1)", "",
-             "| contender | median step ms (fwd+bwd) | step peak MiB over allocated | output vs megatron's (max, relative) |",
-             "|---|---|---|---|"]
+             head, "|---|---|---|---|"]
     for name, row in result["contenders"].items():
         lines.append(f"| {name} | {row['median_ms']:.2f} | {row['step_peak_mib']:.1f} | {row['output_max_diff']:.1e} |")
     return "\n".join(lines)

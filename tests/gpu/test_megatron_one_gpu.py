@@ -6,8 +6,8 @@ bits from run to run). Parity: level 0 equals unpatched megatron (to the 7 digit
 --swap-attention equals the same run without it; --recompute-activation-function / --recompute-norm
 within 1e-6; a GPT-MoE (8 experts, top-2, expert parallel 1): level 0 equal to unpatched megatron, the
 engine's dispatcher (--moe-dispatcher-engine hyper) within 1e-5, and in bf16 with --moe-grouped-gemm
-within 5e-3 of megatron's dispatcher; --optimizer-cpu-offload (Adam on the host) and --use-hsdp (levels 1, 3; one rank) within 1e-5
-(bf16 1e-4); level 1's fused kernels within 2e-3 (5e-3 without
+within 5e-3 of megatron's dispatcher; --optimizer-cpu-offload (Adam on the host) and --use-hsdp (levels
+1, 3; one rank) within 1e-5 (bf16 1e-4); level 1's fused kernels within 2e-3 (5e-3 without
 --deterministic-mode, where its fast kernels serve).
 The runs are small and their start-up is CPU-bound: they run side by side on the one GPU, each on its own
 port. Skipped without CUDA (CI has none); run by bench/gpu_session.sh.
