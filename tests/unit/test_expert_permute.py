@@ -120,6 +120,26 @@ def test_permute_and_unpermute_gradients():
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), probs.requires_grad_()))
 
 
+@pytest.mark.parametrize("pad_to", [None, 9])
+def test_unpermute_keeps_only_the_row_indices_for_its_backward(pad_to):
+    # torch's index_add keeps its whole [N, H] source for the backward; the combine needs only the rows'
+    # token indices (and, weighted, the rows once, for the probabilities' gradient)
+    x, routing_map, probs = routed(seed=4)
+    rows, perm = permute(x, routing_map, probs, pad_to=pad_to)
+    for weighted, floats_kept in ((False, 0), (True, 1)):
+        expert_out = (rows * 2).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = unpermute(expert_out, perm, weighted=weighted)
+        big = [t for t in saved if t.is_floating_point() and t.dim() == 2]
+        assert len(big) == floats_kept, [tuple(t.shape) for t in big]
+        grad = torch.randn(out.shape)
+        out.backward(grad)
+        scale = perm.probs[:, None] if weighted else 1.0
+        padded_grad = torch.cat([grad, torch.zeros(1, H)])   # a padding row (index T) gets zero
+        assert torch.equal(expert_out.grad, padded_grad[perm.rows] * scale)
+
+
 def test_permute_and_unpermute_reject_bad_input():
     x, routing_map, probs = routed()
     with pytest.raises(ValueError, match="must be bool"):

@@ -4,7 +4,9 @@ A router gives ``routing_map`` [T, E] (bool: token t goes to expert e) and ``pro
 lays the routed copies out expert-major — every copy for expert 0 in token order, then expert 1, ... —
 which is the row order a grouped GEMM wants; ``unpermute`` sums each token's expert outputs back into
 its row, each multiplied by its probability. Both are an ``index_select`` / ``index_add`` pair, so their
-backward passes are the other one (exact, deterministic on CPU).
+backward passes are the other one (exact, deterministic on CPU). The combine's ``index_add`` is an autograd
+function of its own: torch's keeps the whole [N, H] source alive for the backward, which needs only the
+row indices (measured on an H100: an [N, H] tensor more per MoE layer than megatron's combine keeps).
 
 Capacity (token dropping): ``capacity_mask`` keeps at most ``capacity`` copies per expert — those with
 the highest probability (``policy="probs"``) or the earliest tokens (``"position"``) — and ``permute``
@@ -31,6 +33,7 @@ class Permutation:
     probs: torch.Tensor | None       # [N], same dtype as the router's probs
     tokens_per_expert: list[int]     # E entries, sum N
     num_tokens: int                  # T
+    padded: bool = False             # rows include padding rows (``pad_to``)
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
@@ -83,7 +86,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         counts = [pad_to] * num_experts
         # padding rows read a zero row appended after the tokens
         source = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
-    return source.index_select(0, rows), Permutation(rows, row_probs, [int(c) for c in counts], num_tokens)
+    return source.index_select(0, rows), Permutation(rows, row_probs, [int(c) for c in counts], num_tokens,
+                                                     padded=pad_to is not None)
 
 
 def _pad(rows, row_probs, counts, pad_to, pad_row):
@@ -104,5 +108,23 @@ def unpermute(expert_out: torch.Tensor, perm: Permutation, weighted: bool = True
         raise ValueError(f"unpermute: {expert_out.shape[0]} rows for a permutation of {perm.rows.shape[0]}")
     if weighted and perm.probs is not None:
         expert_out = expert_out * perm.probs.to(expert_out.dtype)[:, None]
-    out = expert_out.new_zeros(perm.num_tokens + 1, expert_out.shape[1])
-    return out.index_add(0, perm.rows, expert_out)[:perm.num_tokens]
+    return _SumRows.apply(expert_out, perm.rows, perm.num_tokens, perm.padded)
+
+
+class _SumRows(torch.autograd.Function):
+    """[N, H] rows summed into the [T, H] tokens ``index`` names (a padding row's index is T: dropped).
+    The backward is each row's token gradient; only ``index`` is kept for it."""
+
+    @staticmethod
+    def forward(ctx, rows, index, num_tokens, padded):
+        ctx.save_for_backward(index)
+        ctx.num_tokens, ctx.padded = num_tokens, padded
+        out = rows.new_zeros(num_tokens + 1 if padded else num_tokens, rows.shape[1])
+        return out.index_add_(0, index, rows)[:num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        if ctx.padded:  # padding rows read a zero gradient row after the tokens'
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        return grad.index_select(0, index), None, None, None
