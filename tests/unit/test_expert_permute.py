@@ -140,6 +140,34 @@ def test_unpermute_keeps_only_the_row_indices_for_its_backward(pad_to):
         assert torch.equal(expert_out.grad, padded_grad[perm.rows] * scale)
 
 
+def test_weighted_combine_peaks_at_least_one_row_buffer_below_autograds():
+    # autograd's rows * probs then index_add holds the weighted [N, H] copy for the backward and makes an
+    # [N, H] product there for the probabilities' gradient; the hand-written combine keeps neither
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tokens, hidden = 256, 64
+    _, routing_map, probs = routed(seed=7, tokens=tokens, experts=8, topk=4)
+    rows, perm = permute(torch.randn(tokens, hidden), routing_map, probs)
+    perm.probs.requires_grad_()   # the router's probabilities get a gradient too
+    grad = torch.randn(tokens, hidden)
+
+    def peak(combine):
+        leaf = rows.detach().requires_grad_()
+        tracker = MemTracker()
+        with tracker:
+            combine(leaf).backward(grad)
+        return sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()), leaf.grad
+
+    def autograds(leaf):
+        weighted = leaf * perm.probs[:, None]
+        return leaf.new_zeros(tokens, hidden).index_add(0, perm.rows, weighted)
+
+    engine_peak, engine_grad = peak(lambda leaf: unpermute(leaf, perm))
+    autograd_peak, autograd_grad = peak(autograds)
+    assert torch.allclose(engine_grad, autograd_grad)
+    assert engine_peak <= autograd_peak - rows.numel() * 4, (engine_peak, autograd_peak)
+
+
 def test_permute_and_unpermute_reject_bad_input():
     x, routing_map, probs = routed()
     with pytest.raises(ValueError, match="must be bool"):
