@@ -17,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hyper_adaptor"
-ENGINES = ("parallel", "memory", "ops")
+ENGINES = ("parallel", "memory", "ops", "optim")
 # rank of each layer: a module may import modules of its own rank or lower (platform: only platform)
 RANKS = {"platform": 0, "notice": 1, "engines": 2, "patches": 3, "features": 4, "entry": 5}
 
