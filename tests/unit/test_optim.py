@@ -318,3 +318,15 @@ def test_wsd_equals_megatron(ours, theirs):
         assert opt.param_groups[0]["lr"] == pytest.approx(meg_opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15), step
         meg.step(1)
         sched.step()
+
+
+def test_split_hooks_and_bad_input():
+    model = _TinyGPT()
+    muon, adamw = split_params(model, muon_filter=lambda n, p: n.endswith("mlp.weight"))
+    assert {n for n, _ in muon} == {"layers.0.mlp.weight", "layers.1.mlp.weight"}
+    with pytest.raises(ValueError, match=r"row_blocks=7 does not divide .* shape \(48, 16\)"):
+        get_hyper_optimizer(model, lr=1e-3, num_heads=3, num_query_groups=2)
+    with pytest.raises(TypeError, match="dict"):
+        ChainedOptimizer([{}])
+    with pytest.raises(ValueError, match="at least one"):
+        ChainedOptimizer([])
