@@ -8,6 +8,7 @@ Run from the repository root (docs/features/expert-parallel.md says what each fi
 
     python bench/expert_parallel.py            # the full run
     python bench/expert_parallel.py --quick    # small layer, few steps (smoke run)
+    python bench/expert_parallel.py --one-device [--dtype bf16]   # one layer on this machine's one accelerator
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench import _moe_layer, _moe_memory  # noqa: E402
+from bench import _moe_layer, _moe_memory, _moe_one_device  # noqa: E402
 from hyper_adaptor.testing.measure import (  # noqa: E402
     SENT_BYTES,
     CollectiveCounter,
@@ -38,6 +39,7 @@ from hyper_adaptor.testing.measure import (  # noqa: E402
 )
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "expert_parallel.json"
+ONE_DEVICE_JSON = REPO_ROOT / "bench" / "results" / "expert_parallel_one_device.json"
 WORLD = 4
 EP = 4
 DEFAULTS = {"steps": 3, "rounds": 5, "warmup": 1}
@@ -270,11 +272,22 @@ def _span(values: list[float]) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_preset_options(parser, DEFAULTS, QUICK)
-    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    parser.add_argument("--json", default=None, help=f"default {DEFAULT_JSON} ({ONE_DEVICE_JSON} with --one-device)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--one-device", action="store_true",
+                        help="one MoE layer on this process's one device (a GPU, an NPU or the CPU), expert parallel 1")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="with --one-device")
     args = parser.parse_args(argv)
+    if args.one_device:
+        timing = preset(args, {"steps": 20, "rounds": 1, "warmup": 3}, {"steps": 2, "rounds": 1, "warmup": 1})
+        start, load_before = time.perf_counter(), os.getloadavg()[0]
+        result = _moe_one_device.run(args.quick, timing["steps"], timing["warmup"], args.dtype)
+        result.update(machine=machine(load_average_1min_before_after=[load_before, os.getloadavg()[0]]),
+                      wall_s=time.perf_counter() - start)
+        return report(result, _moe_one_device.table(result) + "\n" + machine_line(result),
+                      args.json or ONE_DEVICE_JSON, args.quick)
     result = run(args)
-    return report(result, table(result), args.json, args.quick)
+    return report(result, table(result), args.json or DEFAULT_JSON, args.quick)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,16 @@
 #            against the unpatched script included
 #   unit     (not in the default) tests/unit, the CPU tier, on this machine's CPUs with CUDA hidden: a check of
 #            the image's torch version, not of CUDA (docs/gpu.md lists what it found on torch 2.11)
+#   expert   bench/expert_parallel.py --one-device, fp32 and bf16: one MoE layer at expert parallel 1,
+#            megatron's dispatcher / the engine's / the engine's MoE block (time, step peak, output parity)
 #   memory   bench/memory.py on CUDA (max_memory_allocated, swap + prefetch vs save_on_cpu)
 #   ops      bench/ops.py on CUDA, fp32 and bf16
 #   memory-large  bench/memory.py at GPT-scale sizes (hidden 2048, sequence 4096, fp32 and bf16; hidden 4096
 #            bf16): the swap step-time target (about 90 s on an H200)
 #
-# The default stages take about 8 minutes on an H100 or H200 and write 10 files; where one call is limited (10
-# minutes, 8 files back), split it: STAGES="gpu memory ops" (6 files), then STAGES="memory-large" (4).
+# The default stages take about 9 minutes on an H100 or H200 and write 13 files; where one call is limited (10
+# minutes, 8 files back), split it: STAGES="gpu expert" (4 files), STAGES="memory ops" (4), then
+# STAGES="memory-large" (4).
 #
 # The multi-rank benches (hsdp, pipeline, context_parallel) need one device per rank (NCCL refuses two
 # ranks on one GPU), so a one-GPU machine does not run them.
@@ -28,7 +31,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
-STAGES=${STAGES-"gpu memory ops memory-large"}   # STAGES="" installs and runs nothing
+STAGES=${STAGES-"gpu expert memory ops memory-large"}   # STAGES="" installs and runs nothing
 if compgen -G ".whl/*.whl" > /dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -67,6 +70,8 @@ stage gpu 330 "$PYTHON" -m pytest -q -s -p no:cacheprovider tests/gpu -rs --time
 if [[ -n "${UNIT_PID:-}" ]]; then
   wait "$UNIT_PID"; echo "=== stage unit (CPU, CUDA hidden) rc=$?"; grep -E "^FAILED|passed|failed" "$OUT/unit.log" | tail -n 25
 fi
+stage expert 120 bash -c "'$PYTHON' bench/expert_parallel.py --one-device --json '$OUT/expert-one-device.json' && \
+  '$PYTHON' bench/expert_parallel.py --one-device --dtype bf16 --json '$OUT/expert-one-device-bf16.json'"
 stage memory 60 "$PYTHON" bench/memory.py --json "$OUT/memory-cuda.json"
 stage ops 150 bash -c "'$PYTHON' bench/ops.py --json '$OUT/ops-cuda.json' && '$PYTHON' bench/ops.py --dtype bf16 --json '$OUT/ops-cuda-bf16.json'"
 LARGE="--layers 4 --hidden 2048 --heads 16 --seq 4096 --batch 2 --rounds 5 --threads 16"

@@ -1,11 +1,13 @@
 """examples/pretrain_gpt.py on one CUDA GPU: the unpatched script (its import line removed) against the
 adaptor at levels 0-2 and with the memory flags, fp32 and bf16, 5 iterations each.
 
-Every run but the two ``_nondet`` ones has --deterministic-mode (CUDA's atomics otherwise change the last
+Every run but the ``_nondet`` ones has --deterministic-mode (CUDA's atomics otherwise change the last
 bits from run to run). Parity: level 0 equals unpatched megatron (to the 7 digits megatron logs, losses and grad norms);
 --swap-attention equals the same run without it; --recompute-activation-function / --recompute-norm
-within 1e-6; --optimizer-cpu-offload (Adam on the host) and --use-hsdp (levels 1, 3; one rank) within 1e-5
-(bf16 1e-4); level 1's fused kernels within 2e-3 (5e-3 without
+within 1e-6; a GPT-MoE (8 experts, top-2, expert parallel 1): level 0 equal to unpatched megatron, the
+engine's dispatcher (--moe-dispatcher-engine hyper) within 1e-5, and in bf16 with --moe-grouped-gemm
+within 5e-3 of megatron's dispatcher; --optimizer-cpu-offload (Adam on the host) and --use-hsdp (levels
+1, 3; one rank) within 1e-5 (bf16 1e-4); level 1's fused kernels within 2e-3 (5e-3 without
 --deterministic-mode, where its fast kernels serve).
 The runs are small and their start-up is CPU-bound: they run side by side on the one GPU, each on its own
 port. Skipped without CUDA (CI has none); run by bench/gpu_session.sh.
@@ -49,6 +51,10 @@ NO_FUSIONS = ["--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-mas
 FUSED = ["--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb", "--use-flash-attn"]
 DISTOPT = ["--use-distributed-optimizer"]
 OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0"]
+# a GPT-MoE at expert parallel 1 (one GPU): 8 experts, top-2, megatron's all-to-all dispatcher
+MOE = ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512", "--moe-aux-loss-coeff",
+       "1e-2", "--moe-token-dispatcher-type", "alltoall"]
+ENGINE = ["--moe-dispatcher-engine", "hyper"]
 RUNS = {
     "unpatched": (False, NO_FUSIONS),
     "level0": (True, ["--optimization-level", "0"]),
@@ -77,6 +83,13 @@ RUNS = {
                                             "--use-precision-aware-optimizer"]),
     # megatron's bf16 optimizer (Float16OptimizerWithFloat16Params): its fp32 main copies on the host only
     "offload_bf16_float16": (True, ["--optimization-level", "2", "--bf16", *OFFLOAD]),
+    "moe_unpatched": (False, [*NO_FUSIONS, *MOE]),
+    "moe_level0": (True, ["--optimization-level", "0", *MOE]),
+    "moe_engine": (True, ["--optimization-level", "2", *MOE, *ENGINE]),
+    # bf16 with level 1's grouped GEMM; without --deterministic-mode, so that torch's grouped GEMM serves it
+    "moe_bf16_grouped_nondet": (True, ["--optimization-level", "2", "--bf16", *MOE, "--moe-grouped-gemm"]),
+    "moe_engine_bf16_grouped_nondet": (True, ["--optimization-level", "2", "--bf16", *MOE, "--moe-grouped-gemm",
+                                              *ENGINE]),
 }
 
 
@@ -98,7 +111,11 @@ def runs(tmp_path_factory):
                     "compile_helpers()"], cwd=ROOT, capture_output=True, timeout=300)
     env = dict(os.environ, OMP_NUM_THREADS="2", CUBLAS_WORKSPACE_CONFIG=":4096:8")
     procs = {}
-    for name, (adaptor, args) in RUNS.items():
+    # HYPER_ADAPTOR_GPU_RUNS=name,name: only these runs (a rerun of a few); tests that need others skip
+    chosen = [n for n in os.environ.get("HYPER_ADAPTOR_GPU_RUNS", "").split(",") if n] or list(RUNS)
+    unknown = sorted(set(chosen) - set(RUNS))
+    assert not unknown, f"HYPER_ADAPTOR_GPU_RUNS names unknown runs {unknown}; runs: {sorted(RUNS)}"
+    for name, (adaptor, args) in ((n, RUNS[n]) for n in chosen):
         entry = str(ROOT / "examples" / "pretrain_gpt.py") if adaptor else str(unpatched)
         deterministic = [] if name.endswith("_nondet") else ["--deterministic-mode"]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -132,6 +149,8 @@ def runs(tmp_path_factory):
 
 
 def ok(results, name):
+    if name not in results:
+        pytest.skip(f"{name} not among HYPER_ADAPTOR_GPU_RUNS")
     r = results[name]
     assert r["rc"] == 0 and len(r["loss"]) == ITERS, f"{name} failed:\n{r['output'][-6000:]}"
     return r
@@ -157,9 +176,14 @@ def close(a, b, rtol):
     ("offload_bf16", "level2_bf16_distopt", 1e-4),
     ("offload_bf16_precision_aware", "level2_bf16_distopt", 1e-4),
     ("offload_bf16_float16", "level2_bf16", 1e-4),
+    ("moe_level0", "moe_unpatched", 0.0),
+    ("moe_engine", "moe_unpatched", 1e-5),
+    # the same grouped GEMM; the engine combines a token's top-k outputs in another order (bf16 sums)
+    ("moe_engine_bf16_grouped_nondet", "moe_bf16_grouped_nondet", 5e-3),
 ])
 def test_parity_on_one_gpu(runs, run, reference, rtol):
     got, want = ok(runs, run), ok(runs, reference)
+    assert ("expert_parallel (level 2) applied" in got["output"]) == ("--moe-dispatcher-engine" in RUNS[run][1])
     assert close(got["loss"], want["loss"], rtol), (got["loss"], want["loss"])
     # grad norms are logged with 4 significant digits: a difference far below that can flip the last one
     assert close(got["grad_norm"], want["grad_norm"], max(rtol, 1e-3) if rtol else 0.0), (

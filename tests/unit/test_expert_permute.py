@@ -120,6 +120,54 @@ def test_permute_and_unpermute_gradients():
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), probs.requires_grad_()))
 
 
+@pytest.mark.parametrize("pad_to", [None, 9])
+def test_unpermute_keeps_only_the_row_indices_for_its_backward(pad_to):
+    # torch's index_add keeps its whole [N, H] source for the backward; the combine needs only the rows'
+    # token indices (and, weighted, the rows once, for the probabilities' gradient)
+    x, routing_map, probs = routed(seed=4)
+    rows, perm = permute(x, routing_map, probs, pad_to=pad_to)
+    for weighted, floats_kept in ((False, 0), (True, 1)):
+        expert_out = (rows * 2).requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = unpermute(expert_out, perm, weighted=weighted)
+        big = [t for t in saved if t.is_floating_point() and t.dim() == 2]
+        assert len(big) == floats_kept, [tuple(t.shape) for t in big]
+        grad = torch.randn(out.shape)
+        out.backward(grad)
+        scale = perm.probs[:, None] if weighted else 1.0
+        padded_grad = torch.cat([grad, torch.zeros(1, H)])   # a padding row (index T) gets zero
+        assert torch.equal(expert_out.grad, padded_grad[perm.rows] * scale)
+
+
+def test_weighted_combine_peaks_at_least_one_row_buffer_below_autograds():
+    # autograd's rows * probs then index_add holds the weighted [N, H] copy for the backward and makes an
+    # [N, H] product there for the probabilities' gradient; the hand-written combine keeps neither
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tokens, hidden = 256, 64
+    _, routing_map, probs = routed(seed=7, tokens=tokens, experts=8, topk=4)
+    rows, perm = permute(torch.randn(tokens, hidden), routing_map, probs)
+    perm.probs.requires_grad_()   # the router's probabilities get a gradient too
+    grad = torch.randn(tokens, hidden)
+
+    def peak(combine):
+        leaf = rows.detach().requires_grad_()
+        tracker = MemTracker()
+        with tracker:
+            combine(leaf).backward(grad)
+        return sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()), leaf.grad
+
+    def autograds(leaf):
+        weighted = leaf * perm.probs[:, None]
+        return leaf.new_zeros(tokens, hidden).index_add(0, perm.rows, weighted)
+
+    engine_peak, engine_grad = peak(lambda leaf: unpermute(leaf, perm))
+    autograd_peak, autograd_grad = peak(autograds)
+    assert torch.allclose(engine_grad, autograd_grad)
+    assert engine_peak <= autograd_peak - rows.numel() * 4, (engine_peak, autograd_peak)
+
+
 def test_permute_and_unpermute_reject_bad_input():
     x, routing_map, probs = routed()
     with pytest.raises(ValueError, match="must be bool"):
@@ -166,7 +214,9 @@ def test_reorder_gradient_is_the_inverse_reordering():
 def test_one_process_dispatcher_is_permute_then_unpermute(options):
     x, routing_map, probs = routed(5, tokens=16)
     d = AllToAllDispatcher(E, None, topk=K, **options)
-    rows, counts = d.dispatch(x, routing_map, probs)
+    rows, counts = d.dispatch(x.requires_grad_(), routing_map, probs)
+    # one rank: the permuted rows are the experts' input as they are, no reordering copy of them
+    assert type(rows.grad_fn).__name__ != "_ReorderBackward"
     out = d.combine(rows * 2)
     kept, pad_to = routing_map, None
     if "capacity_factor" in options:
@@ -175,7 +225,8 @@ def test_one_process_dispatcher_is_permute_then_unpermute(options):
         pad_to = cap if options.get("pad_to_capacity") else None
     want_rows, perm = permute(x, kept, probs, pad_to=pad_to)
     assert torch.equal(rows, want_rows) and counts == perm.tokens_per_expert
-    assert torch.allclose(out, naive_unpermute(naive_permute(x, kept)[0] * 2, kept, probs))
+    with torch.no_grad():
+        assert torch.allclose(out, naive_unpermute(naive_permute(x, kept)[0] * 2, kept, probs))
 
 
 def test_dispatcher_reads_topk_from_the_routing_map_when_not_given():

@@ -65,7 +65,7 @@ class _InFlight:
     ep_in_splits: list[int]      # rows this rank sent to each EP rank
     ep_out_splits: list[int]     # rows it received from each
     etp_rows: list[int]          # rows each ETP peer contributed to the gather ([] without ETP)
-    index: torch.Tensor          # [source][expert] -> [expert][source]
+    index: torch.Tensor | None   # [source][expert] -> [expert][source]; None: already in that order
     rows_out: int                # M, the rows handed to the experts
 
 
@@ -162,7 +162,10 @@ class AllToAllDispatcher:
             rows = all_to_all(rows.repeat(peers, 1), etp_rows, [mine] * peers, self.etp_group)
 
         index, per_expert = chunk_order(received)
-        rows = reorder(rows, index)
+        if received.shape[0] == 1 or received.shape[1] == 1:
+            index = None  # one source or one local expert: the rows are in expert order already, no copy
+        else:
+            rows = reorder(rows, index)
         self._in_flight = _InFlight(perm, in_splits, out_splits, etp_rows, index, rows.shape[0])
         return rows, per_expert
 
@@ -183,7 +186,7 @@ class AllToAllDispatcher:
             raise RuntimeError("AllToAllDispatcher.combine called without a dispatch before it")
         if expert_out.dim() != 2 or expert_out.shape[0] != state.rows_out:
             raise ValueError(f"combine: expected [{state.rows_out}, H] expert outputs, got {tuple(expert_out.shape)}")
-        rows = reorder(expert_out, inverse(state.index))
+        rows = expert_out if state.index is None else reorder(expert_out, inverse(state.index))
         if state.etp_rows:
             # reduce-scatter: my block back from every peer, then the peers' partial sums added
             peers, mine = len(state.etp_rows), state.ep_out_splits

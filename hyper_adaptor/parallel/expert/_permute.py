@@ -4,7 +4,8 @@ A router gives ``routing_map`` [T, E] (bool: token t goes to expert e) and ``pro
 lays the routed copies out expert-major — every copy for expert 0 in token order, then expert 1, ... —
 which is the row order a grouped GEMM wants; ``unpermute`` sums each token's expert outputs back into
 its row, each multiplied by its probability. Both are an ``index_select`` / ``index_add`` pair, so their
-backward passes are the other one (exact, deterministic on CPU).
+backward passes are the other one (exact, deterministic on CPU). The weighted sum is an autograd function
+of its own (``_SumRows``), for memory: see there.
 
 Capacity (token dropping): ``capacity_mask`` keeps at most ``capacity`` copies per expert — those with
 the highest probability (``policy="probs"``) or the earliest tokens (``"position"``) — and ``permute``
@@ -31,6 +32,7 @@ class Permutation:
     probs: torch.Tensor | None       # [N], same dtype as the router's probs
     tokens_per_expert: list[int]     # E entries, sum N
     num_tokens: int                  # T
+    padded: bool = False             # rows include padding rows (``pad_to``)
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
@@ -83,7 +85,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         counts = [pad_to] * num_experts
         # padding rows read a zero row appended after the tokens
         source = torch.cat([tokens, tokens.new_zeros(1, tokens.shape[1])])
-    return source.index_select(0, rows), Permutation(rows, row_probs, [int(c) for c in counts], num_tokens)
+    return source.index_select(0, rows), Permutation(rows, row_probs, [int(c) for c in counts], num_tokens,
+                                                     padded=pad_to is not None)
 
 
 def _pad(rows, row_probs, counts, pad_to, pad_row):
@@ -102,7 +105,35 @@ def unpermute(expert_out: torch.Tensor, perm: Permutation, weighted: bool = True
     its probability when ``weighted`` (padding rows are dropped)."""
     if expert_out.shape[0] != perm.rows.shape[0]:
         raise ValueError(f"unpermute: {expert_out.shape[0]} rows for a permutation of {perm.rows.shape[0]}")
-    if weighted and perm.probs is not None:
-        expert_out = expert_out * perm.probs.to(expert_out.dtype)[:, None]
-    out = expert_out.new_zeros(perm.num_tokens + 1, expert_out.shape[1])
-    return out.index_add(0, perm.rows, expert_out)[:perm.num_tokens]
+    probs = perm.probs if weighted else None
+    return _SumRows.apply(expert_out, probs, perm.rows, perm.num_tokens, perm.padded)
+
+
+class _SumRows(torch.autograd.Function):
+    """[N, H] rows, each times its probability (``probs`` [N] or None), summed into the [T, H] tokens
+    ``index`` names (a padding row's index is T: dropped). Written by hand for memory: autograd's
+    ``rows * probs`` then ``index_add`` keeps the weighted [N, H] copy (index_add's source) beside the rows,
+    and its backward makes an [N, H] product for the probabilities' gradient; here the rows and ``index``
+    are kept, that gradient is one batched dot product per row and the rows' gradient is weighted in
+    place."""
+
+    @staticmethod
+    def forward(ctx, rows, probs, index, num_tokens, padded):
+        ctx.save_for_backward(rows if probs is not None else None, probs, index)
+        ctx.padded = padded
+        weighted = rows if probs is None else rows * probs.to(rows.dtype)[:, None]
+        out = rows.new_zeros(num_tokens + 1 if padded else num_tokens, rows.shape[1])
+        return out.index_add_(0, index, weighted)[:num_tokens]
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, probs, index = ctx.saved_tensors
+        if ctx.padded:  # padding rows read a zero gradient row after the tokens'
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        grad_rows = grad.index_select(0, index)
+        grad_probs = None
+        if probs is None:
+            return grad_rows, None, None, None, None
+        if ctx.needs_input_grad[1]:
+            grad_probs = torch.bmm(grad_rows.unsqueeze(1), rows.unsqueeze(2)).view(-1).to(probs.dtype)
+        return grad_rows.mul_(probs.to(grad_rows.dtype)[:, None]), grad_probs, None, None, None
