@@ -10,6 +10,7 @@ import statistics
 
 import torch
 
+from hyper_adaptor.testing.gpt import forward_step
 from hyper_adaptor.testing.measure import free_port
 
 # The model: small enough that a step is well under a second on a 2-core CPU, large enough to time.
@@ -116,17 +117,6 @@ def make_batches():
         }
         for i in range(0, NUM_MICRO * MICRO_BATCH, MICRO_BATCH)
     ]
-
-
-def forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
 
 
 def train_step(model, optimizer, batches) -> float:

@@ -1,9 +1,10 @@
 """Peak memory per rank of a GPT-MoE under expert parallelism: megatron's DDP + distributed optimizer
 against --use-hsdp (levels 1-3) at the same layout, in one gloo world (for bench/expert_parallel.py).
 
-The model and both wrappings are tests/distributed/hsdp_expert_checks.py's (megatron-core GPT, every
-layer an MoE with megatron's all-to-all dispatcher, fp32, megatron's chained Adam), only larger; model
-state is counted as bench/hsdp.py counts it (bench/_hsdp_contenders.py's ledgers).
+The model and both wrappings are hyper_adaptor/testing/gpt.py's ``build_gpt_moe``, the one
+tests/distributed/hsdp_expert_checks.py trains (megatron-core GPT, every layer an MoE with megatron's
+all-to-all dispatcher, fp32, megatron's chained Adam), only larger; model state is counted as
+bench/hsdp.py counts it (bench/_hsdp_contenders.py's ledgers).
 
 Layout: EP 2 on 4 ranks, so the dense parameters are data-parallel over all 4 ranks and each expert
 over an expert-data-parallel group of 2. That group is what HSDP shards the experts over (at EP 4 it is
@@ -41,6 +42,7 @@ QUICK_STEPS = {"warmup": 1, "timed": 1}
 # megatron first: HSDP's patches, once applied, stay applied in the process
 CONTENDERS = {"megatron-distopt": dict(ep=EP), **{f"hsdp-level{n}": dict(ep=EP, hsdp=f"level{n}") for n in (1, 2, 3)}}
 BASELINE = "megatron-distopt"
+SEED, CLIP = 1234, 0.5  # the weights' seed and Adam's gradient clipping: the tests' (hsdp_expert_checks.py)
 LOSS_RTOL = 1e-5
 
 
@@ -63,7 +65,7 @@ def _train_step(chunk, optimizer, data: dict, d: dict) -> float:
     and the optimizer; the loss averaged over data parallel."""
     import torch.distributed as dist
 
-    from bench._gpt_step import forward_step  # the GPT step's loss: the mean token loss
+    from hyper_adaptor.testing.gpt import forward_step  # the GPT step's loss: the mean token loss
 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -99,14 +101,14 @@ def _state(run: dict, model, chunk, optimizer) -> tuple[dict, int]:
 def _measure(name: str, run: dict, d: dict, steps: dict) -> dict:
     import torch.distributed as dist
 
+    from hyper_adaptor.testing.gpt import build_gpt_moe
     from hyper_adaptor.testing.measure import PeakMemory
-    from tests.distributed.hsdp_expert_checks import _build
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
 
     dims = {k: v for k, v in d.items() if k != "micro"}
-    config, model, chunk, optimizer = _build({**run, "dims": dims})
+    config, model, chunk, optimizer = build_gpt_moe(run, dims, seed=SEED, clip=CLIP)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     step, losses, times = 0, [], []

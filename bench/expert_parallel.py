@@ -117,12 +117,40 @@ def engine_theory_bytes(routed: dict, hidden: int, experts: int, ep: int, elem: 
     return 2 * rows * hidden * elem + experts * 8 * (ep - 1) // ep
 
 
+def overlap_rank(rank: int, world_size: int, tokens: int = 4096, hidden: int = 256, ffn: int = 512,
+                 experts: int = 8, topk: int = 2, chunks=(2, 4), steps: int = 5, shared: bool = True) -> list:
+    """Exposed communication with and without overlap (``measure_exposed_comm``) on the engine's experts
+    (``GroupedExperts``, SwiGLU, E / P per rank) and a ``FeedForward`` shared expert, softmax top-k routing
+    of ``tokens`` random tokens per rank."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from hyper_adaptor.parallel.expert import FeedForward, GroupedExperts, measure_exposed_comm
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    local = GroupedExperts(experts // world_size, hidden, ffn)
+    shared_fn = FeedForward(hidden, ffn) if shared else None
+    router = torch.randn(hidden, experts)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank + 1)).requires_grad_()
+    scores = torch.softmax(x.detach() @ router, dim=-1)
+    top = scores.topk(topk, dim=-1).indices
+    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
+    rows = measure_exposed_comm(x, routing_map, scores * routing_map, local, ep_group=group, chunks=tuple(chunks),
+                                shared_fn=shared_fn, steps=steps)
+    dist.barrier()
+    return rows
+
+
 def overlap_rows(quick: bool, timeout: float) -> list[dict]:
     """Exposed communication with and without the engine's overlap (``measure_exposed_comm``: the modes
     in turns, step by step) on the engine's grouped SwiGLU experts and a shared expert, per rank."""
     tokens, steps = (512, 2) if quick else (4096, 5)
-    ranks = run_world(WORLD, "tests.distributed.expert_overlap_checks:exposed_comm", timeout=timeout,
-                      tokens=tokens, chunks=(1, 2, 4), steps=steps)
+    ranks = run_world(WORLD, "bench.expert_parallel:overlap_rank", timeout=timeout, tokens=tokens,
+                      chunks=(1, 2, 4), steps=steps)
     rows = []
     for i, mode in enumerate(ranks[0]):
         per_rank = [r[i] for r in ranks]

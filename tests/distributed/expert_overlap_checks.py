@@ -522,25 +522,3 @@ def overlap_checks(rank: int, world_size: int) -> dict:
     return dict(checks=checks, worst=worst, broken_detected=broken_detected, race_detected=bool(race_failures),
                 measure_ok=measure_ok)
 
-
-def exposed_comm(rank: int, world_size: int, tokens: int = 4096, hidden: int = 256, ffn: int = 512,
-                 experts: int = 8, topk: int = 2, chunks=(2, 4), steps: int = 5, shared: bool = True) -> list:
-    """Exposed communication with and without overlap (``measure_exposed_comm``) on the engine's experts
-    (``GroupedExperts``, SwiGLU, E / P per rank) and a ``FeedForward`` shared expert, softmax top-k routing
-    of ``tokens`` random tokens per rank."""
-    from hyper_adaptor.parallel.expert import FeedForward, GroupedExperts
-
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    local = GroupedExperts(experts // world_size, hidden, ffn)
-    shared_fn = FeedForward(hidden, ffn) if shared else None
-    router = torch.randn(hidden, experts)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(rank + 1)).requires_grad_()
-    scores = torch.softmax(x.detach() @ router, dim=-1)
-    top = scores.topk(topk, dim=-1).indices
-    routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top, True)
-    rows = measure_exposed_comm(x, routing_map, scores * routing_map, local, ep_group=group, chunks=tuple(chunks),
-                                shared_fn=shared_fn, steps=steps)
-    dist.barrier()
-    return rows

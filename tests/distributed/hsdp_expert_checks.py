@@ -10,16 +10,15 @@ every rank. The DDP runs come first: HSDP's patches, once applied, stay applied 
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
 
+from hyper_adaptor.testing.gpt import build_gpt_moe, forward_step
 from tests.distributed.gpt_parity import MICRO_BATCH, SEQ, VOCAB, _micro_batch_dicts
 
 LAYERS, EXPERTS, TOPK, GLOBAL_BATCH, STEPS, SEED = 2, 4, 2, 16, 3, 1234
 CLIP = 0.5  # below the first steps' gradient norms (about 0.57 and 0.55): clipping acts, then does not
-# the model's sizes; a run's "dims" overrides some (bench/_moe_memory.py builds a larger one)
+# the model's sizes (bench/_moe_memory.py builds the same model larger)
 DIMS = dict(layers=LAYERS, hidden=64, heads=4, ffn=128, experts=EXPERTS, topk=TOPK, moe_ffn=96, seq=SEQ, vocab=VOCAB)
 
 
@@ -29,82 +28,19 @@ def _batches(step: int) -> list:
     return [tokens[i : i + MICRO_BATCH] for i in range(0, GLOBAL_BATCH, MICRO_BATCH)]
 
 
-def _hsdp_args(run: dict, tp: int, ep: int, etp: int, experts: int = EXPERTS) -> types.SimpleNamespace:
-    """--use-hsdp's flags for ``run``, checked and applied as megatron.training's validate_args would."""
-    from hyper_adaptor.megatron_adaptor import ADAPTOR
-
-    args = types.SimpleNamespace(
-        transformer_impl="local", optimization_level=2, use_hsdp=True, hsdp_optimizer_level=run["hsdp"],
-        hsdp_shard_size=run.get("shard", -1), hsdp_threshold_kb=0.0, hsdp_comm_async=bool(run.get("comm_async")),
-        world_size=dist.get_world_size(),
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp, num_experts=experts, fp16=bool(run.get("fp16")))
-    ADAPTOR.prepare(args, say=False)
-    ADAPTOR.apply_features(args)
-    return args
-
-
 def _build(run: dict):
-    import torch.nn.functional as F
+    """The GPT-MoE of ``run`` at this file's sizes (hyper_adaptor/testing/gpt.py). ``wrong_expert_scale``:
+    the negative control, experts averaged over their own group only."""
+    if not run.get("wrong_expert_scale"):
+        return build_gpt_moe(run, DIMS, seed=SEED, clip=CLIP)
+    from hyper_adaptor.patches.hsdp import data_parallel
 
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer import TransformerConfig
-
-    tp, ep, etp = run.get("tp", 1), run["ep"], run.get("etp", run.get("tp", 1))
-    fp16 = bool(run.get("fp16"))
-    d = {**DIMS, **run.get("dims", {})}
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                 expert_tensor_parallel_size=etp)
-    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    torch.manual_seed(SEED)
-    config = TransformerConfig(
-        num_layers=d["layers"], hidden_size=d["hidden"], num_attention_heads=d["heads"], ffn_hidden_size=d["ffn"],
-        add_bias_linear=False, activation_func=F.gelu, num_moe_experts=d["experts"], moe_router_topk=d["topk"],
-        moe_ffn_hidden_size=d["moe_ffn"],
-        moe_token_dispatcher_type=run.get("dispatcher", "alltoall"), moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        sequence_parallel=tp > 1, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False, fp16=fp16,
-        params_dtype=torch.float16 if fp16 else torch.float32, pipeline_dtype=torch.float16 if fp16 else torch.float32,
-    )
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=d["experts"]),
-                     vocab_size=d["vocab"], max_sequence_length=d["seq"], share_embeddings_and_output_weights=True)
-    if fp16:
-        from megatron.core.transformer.module import Float16Module
-
-        model = Float16Module(config, model)
-    hsdp = run.get("hsdp")
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=not hsdp)
-    if hsdp:
-        from hyper_adaptor.patches.hsdp import data_parallel
-        from hyper_adaptor.patches.hsdp.patches import hsdp_kwargs
-
-        wrapper = data_parallel.make_wrapper_class(hsdp_kwargs(_hsdp_args(run, tp, ep, etp, d["experts"])))
-        if run.get("wrong_expert_scale"):  # the negative control: experts averaged over their own group only
-            right = data_parallel._expert_kwargs
-            data_parallel._expert_kwargs = lambda kw, *groups: {**right(kw, *groups), "grad_scale": 1.0}
-            try:
-                chunk = wrapper(config=config, ddp_config=ddp_config, module=model)
-            finally:
-                data_parallel._expert_kwargs = right
-        else:
-            chunk = wrapper(config=config, ddp_config=ddp_config, module=model)
-    else:
-        chunk = DistributedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=CLIP,
-                        use_distributed_optimizer=not hsdp, fp16=fp16, initial_loss_scale=run.get("fp16"),
-                        params_dtype=torch.float16 if fp16 else torch.float32, hysteresis=1),
-        [chunk],
-    )
-    return config, model, chunk, optimizer
+    right = data_parallel._expert_kwargs
+    data_parallel._expert_kwargs = lambda kw, *groups: {**right(kw, *groups), "grad_scale": 1.0}
+    try:
+        return build_gpt_moe(run, DIMS, seed=SEED, clip=CLIP)
+    finally:
+        data_parallel._expert_kwargs = right
 
 
 def _local(param) -> torch.Tensor:
@@ -141,16 +77,6 @@ def train(run: dict) -> dict:
         return result
     dp_size, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     num_micro = GLOBAL_BATCH // MICRO_BATCH // dp_size
-
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-
-        def loss_func(output_tensor):
-            loss = output_tensor.float().mean()
-            return loss, {"lm loss": loss.detach()}
-
-        return output, loss_func
 
     losses, norms, scales, skipped = [], [], [], []
     for step in range(run.get("steps", STEPS)):

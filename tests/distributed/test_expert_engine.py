@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_adaptor.testing import run_world
 from tests.distributed import expert_engine_checks as checks
+from tests.distributed.test_moe_dispatchers import mismatch, world_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -49,14 +49,8 @@ WORLD4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, TARGET, timeout=240, runs=WORLD2)
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, TARGET, timeout=360, runs=WORLD4)
+world2 = world_fixture(2, TARGET, WORLD2, timeout=240)
+world4 = world_fixture(4, TARGET, WORLD4, timeout=360)
 
 
 _REFERENCES: dict = {}
@@ -74,10 +68,7 @@ def compare(got: dict, want: dict, rank: int) -> list[str]:
     bad = []
 
     def check(what, value, expected):
-        if value.shape != expected.shape:
-            bad.append(f"{what}: shape {tuple(value.shape)} vs {tuple(expected.shape)}")
-        elif not torch.allclose(value, expected, rtol=RTOL, atol=ATOL):
-            bad.append(f"{what}: max abs difference {(value - expected).abs().max().item():.3g}")
+        bad.extend(mismatch(what, value, expected, rtol=RTOL, atol=ATOL))
 
     check("output", got["out"], want["out"][rank])
     check("input gradient", got["x_grad"], want["x_grad"][rank])

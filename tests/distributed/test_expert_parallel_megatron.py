@@ -28,7 +28,7 @@ import torch
 from hyper_adaptor.testing import run_world
 from tests.distributed.moe_dispatcher_checks import FFN
 from tests.distributed.test_moe_dispatchers import VARIANTS as LEVEL0_VARIANTS
-from tests.distributed.test_moe_dispatchers import compare
+from tests.distributed.test_moe_dispatchers import compare, world_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -109,14 +109,8 @@ def reference():
                      variants=VARIANTS)[0]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, f"{TARGET}:layouts", timeout=400, runs=_sent(WORLD2))
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, f"{TARGET}:layouts", timeout=500, runs=_sent(WORLD4))
+world2 = world_fixture(2, f"{TARGET}:layouts", _sent(WORLD2), timeout=400)
+world4 = world_fixture(4, f"{TARGET}:layouts", _sent(WORLD4), timeout=500)
 
 
 def _path(spec) -> dict:

@@ -73,14 +73,19 @@ def _sent(runs: dict) -> dict:
             for name, run in runs.items()}
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_world(2, f"{TARGET}:layouts", timeout=300, runs=_sent(WORLD2))
+def world_fixture(size: int, target: str, runs: dict, timeout: float):
+    """The fixture ``world<size>``: ``runs`` in one spawned world of ``size`` ranks, once per module;
+    every rank's results."""
+
+    @pytest.fixture(scope="module", name=f"world{size}")
+    def world():
+        return run_world(size, target, timeout=timeout, runs=runs)
+
+    return world
 
 
-@pytest.fixture(scope="module")
-def world4():
-    return run_world(4, f"{TARGET}:layouts", timeout=400, runs=_sent(WORLD4))
+world2 = world_fixture(2, f"{TARGET}:layouts", _sent(WORLD2), timeout=300)
+world4 = world_fixture(4, f"{TARGET}:layouts", _sent(WORLD4), timeout=400)
 
 
 def _totals(reference: list, chunks: int) -> dict:
@@ -90,16 +95,22 @@ def _totals(reference: list, chunks: int) -> dict:
             "grads": grads}
 
 
+def mismatch(what: str, value: torch.Tensor, want: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> list[str]:
+    """How ``value`` differs from ``want`` (shape, or values beyond the tolerance): [] where it does not."""
+    if value.shape != want.shape:
+        return [f"{what}: shape {tuple(value.shape)} vs {tuple(want.shape)}"]
+    if not torch.allclose(value, want, rtol=rtol, atol=atol):
+        return [f"{what}: max abs difference {(value - want).abs().max().item():.3g}"]
+    return []
+
+
 def compare(got: dict, reference: list, chunks: int) -> list[str]:
     """Where one rank's result differs from the single process's (``chunks``: the data-parallel
     size of the layout, i.e. how many reference chunks its world covers)."""
     bad = []
 
     def check(what, value, want):
-        if value.shape != want.shape:
-            bad.append(f"{what}: shape {tuple(value.shape)} vs {tuple(want.shape)}")
-        elif not torch.allclose(value, want, rtol=RTOL, atol=ATOL):
-            bad.append(f"{what}: max abs difference {(value - want).abs().max().item():.3g}")
+        bad.extend(mismatch(what, value, want))
 
     if len(got["grads"]) != 2 * len(got["experts_here"]):
         bad.append(f"{len(got['grads'])} expert gradients for experts {got['experts_here']}")

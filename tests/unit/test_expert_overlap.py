@@ -69,32 +69,29 @@ def _two_sides(coordinator, fwd_roles, bwd_roles, log):
     coordinator.disable()
 
 
-def test_two_comm_segments_run_forward_first():
-    c, log = HookCoordinator(timeout=10), []
-    # the forward sleeps after its rendezvous: without the hold the backward would log first
-    orig = c.rendezvous
+def _slow_forward(coordinator: HookCoordinator) -> HookCoordinator:
+    """The coordinator with its forward side sleeping after each rendezvous."""
+    rendezvous = coordinator.rendezvous
 
     def slow_forward(role, side=None):
-        orig(role, side)
+        rendezvous(role, side)
         if side == "forward":
             time.sleep(0.2)
 
-    c.rendezvous = slow_forward
+    coordinator.rendezvous = slow_forward
+    return coordinator
+
+
+def test_two_comm_segments_run_forward_first():
+    # the forward sleeps after its rendezvous: without the hold the backward would log first
+    c, log = _slow_forward(HookCoordinator(timeout=10)), []
     _two_sides(c, [HookRole.COMM, HookRole.COMPUTE], [HookRole.COMM, HookRole.COMPUTE], log)
     assert c.pairs == 2
     assert log.index(("forward", 0)) < log.index(("backward", 0))
 
 
 def test_comm_and_compute_do_not_wait_for_each_other():
-    c, log = HookCoordinator(timeout=10), []
-    orig = c.rendezvous
-
-    def slow_forward(role, side=None):
-        orig(role, side)
-        if side == "forward":
-            time.sleep(0.2)
-
-    c.rendezvous = slow_forward
+    c, log = _slow_forward(HookCoordinator(timeout=10)), []
     _two_sides(c, [HookRole.COMM], [HookRole.COMPUTE], log)
     assert c.pairs == 1 and log[0] == ("backward", 0)
 

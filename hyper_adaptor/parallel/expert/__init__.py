@@ -16,7 +16,10 @@ The engine:
 - ``moe.py``: ``MoE``, a plain-torch block (router, routed experts, optional shared expert), one
   process by default;
 - ``style.py``: ``ExpertParallel`` / ``ExpertTensorParallel``, torch ``ParallelStyle``s that shard a
-  ``MoE`` over a 1-D ("ep",) or 2-D ("ep", "tp") device mesh through ``parallelize_module``.
+  ``MoE`` over a 1-D ("ep",) or 2-D ("ep", "tp") device mesh through ``parallelize_module``;
+- ``_overlap.py``: the chunked overlapped forward (``overlapped_moe_forward``, ``moe_forward_overlapped``)
+  and ``CommComputeOverlap`` (one micro-batch's forward beside another's backward);
+- ``_replicas.py``: ``HotExpertReplicas`` (hot-expert replicas planned from measured token counts).
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ from hyper_adaptor.parallel.expert._comm import (
 )
 from hyper_adaptor.parallel.expert._dispatcher import AllToAllDispatcher
 from hyper_adaptor.parallel.expert._experts import FeedForward, GroupedExperts
+from hyper_adaptor.parallel.expert._overlap import (
+    CommComputeOverlap,
+    HookCoordinator,
+    HookRole,
+    OverlapStats,
+    measure_exposed_comm,
+    moe_forward_overlapped,
+    overlapped_moe_forward,
+)
 from hyper_adaptor.parallel.expert._permute import (
     DROP_POLICIES,
     Permutation,
@@ -81,17 +93,12 @@ __all__ = [
     "route_to_slots",
     "skewed_load_report",
     "zipf_bias",
+    "CommComputeOverlap",
+    "HookCoordinator",
+    "HookRole",
+    "OverlapStats",
+    "measure_exposed_comm",
+    "moe_forward_overlapped",
+    "overlapped_moe_forward",
 ]
 
-from hyper_adaptor.parallel.expert._overlap import (
-    CommComputeOverlap,
-    HookCoordinator,
-    HookRole,
-    OverlapStats,
-    measure_exposed_comm,
-    moe_forward_overlapped,
-    overlapped_moe_forward,
-)
-
-__all__ += ["CommComputeOverlap", "HookCoordinator", "HookRole", "OverlapStats", "measure_exposed_comm",
-            "moe_forward_overlapped", "overlapped_moe_forward"]
