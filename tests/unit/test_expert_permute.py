@@ -259,3 +259,15 @@ def test_dispatcher_rejects_bad_options_and_misuse():
         d.dispatch(x, routing_map, probs)
     with pytest.raises(ValueError, match="combine: expected"):
         d.combine(rows[:-1])
+
+
+def test_expert_order_skips_the_copy_where_rows_are_in_expert_order_already():
+    from hyper_adaptor.parallel.expert._comm import expert_order
+
+    x = torch.randn(7, H)
+    for received in (torch.tensor([[3, 4]]), torch.tensor([[3], [4]])):   # one source; one local expert
+        index, per_expert = expert_order(received)
+        assert index is None and per_expert == received.sum(dim=0).tolist()
+        assert reorder(x, index) is x
+    index, per_expert = expert_order(torch.tensor([[1, 2], [3, 1]]))
+    assert torch.equal(index, chunk_order(torch.tensor([[1, 2], [3, 1]]))[0]) and per_expert == [4, 3]

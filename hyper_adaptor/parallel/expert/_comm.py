@@ -93,6 +93,14 @@ def chunk_order(received: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return index, [int(c) for c in received.sum(dim=0).tolist()]
 
 
+def expert_order(received: torch.Tensor) -> tuple[torch.Tensor | None, list[int]]:
+    """``chunk_order``, with None for the index where the rows are in expert order already (one source or
+    one local expert): ``reorder`` and ``inverse`` pass None through, so no reordering copy is made."""
+    if received.shape[0] == 1 or received.shape[1] == 1:
+        return None, [int(c) for c in received.sum(dim=0).tolist()]
+    return chunk_order(received)
+
+
 class _Reorder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index):
@@ -106,12 +114,14 @@ class _Reorder(torch.autograd.Function):
         return grad.new_empty(grad.shape).index_copy_(0, index, grad), None
 
 
-def reorder(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` in the order ``index`` (a permutation of its rows), differentiable."""
-    return _Reorder.apply(x, index.to(x.device))
+def reorder(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``x`` in the order ``index`` (a permutation of its rows; None: as they are), differentiable."""
+    return x if index is None else _Reorder.apply(x, index.to(x.device))
 
 
-def inverse(index: torch.Tensor) -> torch.Tensor:
+def inverse(index: torch.Tensor | None) -> torch.Tensor | None:
+    if index is None:
+        return None
     return torch.empty_like(index).index_copy_(0, index, torch.arange(index.numel(), dtype=index.dtype))
 
 

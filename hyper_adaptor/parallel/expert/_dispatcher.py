@@ -32,8 +32,8 @@ import torch.distributed as dist
 from hyper_adaptor.parallel.expert._comm import (
     _comm_device,
     all_to_all,
-    chunk_order,
     exchange_counts,
+    expert_order,
     experts_per_rank,
     inverse,
     reorder,
@@ -161,11 +161,8 @@ class AllToAllDispatcher:
             mine = rows.shape[0]
             rows = all_to_all(rows.repeat(peers, 1), etp_rows, [mine] * peers, self.etp_group)
 
-        index, per_expert = chunk_order(received)
-        if received.shape[0] == 1 or received.shape[1] == 1:
-            index = None  # one source or one local expert: the rows are in expert order already, no copy
-        else:
-            rows = reorder(rows, index)
+        index, per_expert = expert_order(received)
+        rows = reorder(rows, index)
         self._in_flight = _InFlight(perm, in_splits, out_splits, etp_rows, index, rows.shape[0])
         return rows, per_expert
 
@@ -186,7 +183,7 @@ class AllToAllDispatcher:
             raise RuntimeError("AllToAllDispatcher.combine called without a dispatch before it")
         if expert_out.dim() != 2 or expert_out.shape[0] != state.rows_out:
             raise ValueError(f"combine: expected [{state.rows_out}, H] expert outputs, got {tuple(expert_out.shape)}")
-        rows = expert_out if state.index is None else reorder(expert_out, inverse(state.index))
+        rows = reorder(expert_out, inverse(state.index))
         if state.etp_rows:
             # reduce-scatter: my block back from every peer, then the peers' partial sums added
             peers, mine = len(state.etp_rows), state.ep_out_splits

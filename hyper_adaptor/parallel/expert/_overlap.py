@@ -63,7 +63,7 @@ import torch.distributed as dist
 from hyper_adaptor.parallel.expert._comm import (
     _comm_device,
     _exchange,
-    chunk_order,
+    expert_order,
     experts_per_rank,
     inverse,
     reorder,
@@ -244,7 +244,7 @@ def overlapped_moe_forward(tokens: torch.Tensor, routing_map: torch.Tensor, prob
         stats.add(time.perf_counter() - start, backward=False)
     plans = []  # per chunk: (send splits, receive splits, index by local expert, rows per local expert)
     for c, (_, perm) in enumerate(pieces):
-        index, per_expert = chunk_order(received[c])
+        index, per_expert = expert_order(received[c])
         plans.append((send_splits(perm.tokens_per_expert, placement), received[c].sum(dim=1).tolist(), index,
                       per_expert))
 
