@@ -55,16 +55,36 @@ def build(d: dict, ep: int, dispatcher: str, engine_chunks: int = 1, shared: boo
     return layer
 
 
-def _load_weights(layer, d: dict, ep: int) -> None:
-    """Every contender gets the same full weights (each rank its experts)."""
-    from megatron.core import parallel_state as ps
-
+def full_weights(d: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every contender's full weights: router [E, H], fc1 [E, 2F, H] (gate rows first), fc2 [E, H, F]."""
     gen = torch.Generator().manual_seed(SEED)
     h, f, e = d["hidden"], d["ffn"], d["experts"]
     router = torch.randn(e, h, generator=gen) * 0.2
     fc1 = torch.randn(e, 2 * f, h, generator=gen) * h ** -0.5
     fc2 = torch.randn(e, h, f, generator=gen) * f ** -0.5
-    local, rank = e // ep, ps.get_expert_model_parallel_rank()
+    return router, fc1, fc2
+
+
+def install_engine():
+    """What --moe-dispatcher-engine hyper installs; layers built afterwards get the engine's dispatcher
+    (those built before keep megatron's). Returns the patch manager (``.undo()`` takes it back)."""
+    import types
+
+    from hyper_adaptor.patch_manager import PatchManager
+    from hyper_adaptor.patches.expert import dispatcher
+
+    manager = PatchManager()
+    manager.register_all(dispatcher.patches(types.SimpleNamespace(moe_dispatch_chunks=1)))
+    manager.apply()
+    return manager
+
+
+def _load_weights(layer, d: dict, ep: int) -> None:
+    """Every contender gets the same full weights (each rank its experts)."""
+    from megatron.core import parallel_state as ps
+
+    router, fc1, fc2 = full_weights(d)
+    local, rank = d["experts"] // ep, ps.get_expert_model_parallel_rank()
     with torch.no_grad():
         layer.router.weight.copy_(router)
         for i, expert in enumerate(layer.experts.local_experts):

@@ -27,14 +27,11 @@ def dims(quick: bool) -> dict:
 
 
 def _engine_block(d: dict, dtype, device):
-    """The engine's ``MoE`` with the weights megatron's layers get (``_moe_layer._load_weights``' draws)."""
+    """The engine's ``MoE`` with the weights megatron's layers get (``_moe_layer.full_weights``)."""
     from hyper_adaptor.parallel.expert import MoE
 
-    gen = torch.Generator().manual_seed(_moe_layer.SEED)
+    router, fc1, fc2 = _moe_layer.full_weights(d)
     h, f, e = d["hidden"], d["ffn"], d["experts"]
-    router = torch.randn(e, h, generator=gen) * 0.2
-    fc1 = torch.randn(e, 2 * f, h, generator=gen) * h ** -0.5
-    fc2 = torch.randn(e, h, f, generator=gen) * f ** -0.5
     moe = MoE(h, f, e, d["topk"], aux_loss_coeff=1e-2, normalize_topk=True)
     with torch.no_grad():
         moe.router.weight.copy_(router)
@@ -70,11 +67,7 @@ def _step_peak(layer, x, probe, dev: str) -> int:
 
 
 def run(quick: bool, steps: int, warmup: int, dtype_name: str) -> dict:
-    import types
-
     import hyper_adaptor.megatron_adaptor  # noqa: F401  (the one line, as a pretrain script has it: level 0)
-    from hyper_adaptor.patch_manager import PatchManager
-    from hyper_adaptor.patches.expert import dispatcher
 
     from megatron.core import parallel_state as ps
 
@@ -89,9 +82,7 @@ def run(quick: bool, steps: int, warmup: int, dtype_name: str) -> dict:
                                 rank=0, world_size=1)
     x, probe = (t.to(device=device, dtype=dtype) for t in _moe_layer.inputs(d, 0))
     layers = {"megatron-alltoall": _moe_layer.build(d, 1, "alltoall")}
-    manager = PatchManager()
-    manager.register_all(dispatcher.patches(types.SimpleNamespace(moe_dispatch_chunks=1)))
-    manager.apply()
+    manager = _moe_layer.install_engine()
     layers["engine"] = _moe_layer.build(d, 1, "engine")
     layers = {name: layer.to(device=device, dtype=dtype) for name, layer in layers.items()}
     layers["engine-block"] = _engine_block(d, dtype, device)

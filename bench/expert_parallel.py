@@ -63,16 +63,9 @@ def dispatcher_rank(rank: int, world_size: int, d: dict, names: list[str], steps
     layers = {name: _moe_layer.build(d, EP, *DISPATCHERS[name]) for name in names
               if DISPATCHERS[name][0] != "engine"}
     if any(DISPATCHERS[name][0] == "engine" for name in names):
-        # what --moe-dispatcher-engine hyper installs (megatron's layers built above keep their dispatcher;
-        # the routed-experts wrap hands them to megatron's own method)
-        import types
-
-        from hyper_adaptor.patch_manager import PatchManager
-        from hyper_adaptor.patches.expert import dispatcher
-
-        manager = PatchManager()
-        manager.register_all(dispatcher.patches(types.SimpleNamespace(moe_dispatch_chunks=1)))
-        manager.apply()
+        # megatron's layers built above keep their dispatcher; the routed-experts wrap hands them to
+        # megatron's own method
+        _moe_layer.install_engine()
         layers.update({name: _moe_layer.build(d, EP, *DISPATCHERS[name]) for name in names
                        if DISPATCHERS[name][0] == "engine"})
     layers = {name: layers[name] for name in names}
