@@ -75,8 +75,10 @@ def get_hyper_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, 
 
     optimizers = []
     if muon_named:
-        plain = [p for n, p in muon_named if not (num_heads and any(h in n.lower() for h in QKV_NAME_HINTS))]
-        fused = [p for n, p in muon_named if num_heads and any(h in n.lower() for h in QKV_NAME_HINTS)]
+        plain, fused = [], []
+        for n, p in muon_named:
+            is_qkv = bool(num_heads) and any(h in n.lower() for h in QKV_NAME_HINTS)
+            (fused if is_qkv else plain).append(p)
         groups = []
         if plain:
             groups.append({"params": plain})
