@@ -288,7 +288,9 @@ def _train(name: str, iters: int, timeout: float) -> dict:
     if len(parsed["iterations"]) < iters:
         return {"optimizer": name, "ok": False, "error": f"{len(parsed['iterations'])} of {iters} iterations logged",
                 "flags": TRAIN_RUNS[name]}
-    return {"optimizer": name, "ok": True, "flags": TRAIN_RUNS[name], "process_s": time.time() - start, **parsed}
+    served = [line.split("] ", 1)[1] for line in output.splitlines() if line.startswith("[hyper_adaptor] --optimizer")]
+    return {"optimizer": name, "ok": True, "flags": TRAIN_RUNS[name], "process_s": time.time() - start,
+            "served_by": served[0] if served else "megatron", **parsed}
 
 
 def training_section(iters: int, timeout: float) -> dict:
@@ -400,6 +402,8 @@ def training_table(training) -> list[str]:
     runs = training["runs"]
     lines.append(f"   validation loss at the end: muon {runs['muon']['validation_loss']}, "
                  f"adam {runs['adam']['validation_loss']}")
+    lines.append(f"   muon flags: {' '.join(runs['muon']['flags'])} ({runs['muon']['served_by']})")
+    lines.append(f"   adam flags: {' '.join(runs['adam']['flags'])}")
     return lines
 
 
