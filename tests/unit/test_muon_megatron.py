@@ -176,6 +176,8 @@ def test_muon_is_served_here_without_emerging_optimizers():
     (("dist_muon", "--optimizer-cpu-offload"), "--optimizer dist_muon cannot be combined with --optimizer-cpu-offload"),
     (("muon", "--muon-coefficient-type", "cubic"), "--muon-coefficient-type cubic is not one of"),
     (("muon", "--muon-num-ns-steps", "0"), "--muon-num-ns-steps must be >= 1; got 0"),
+    (("muon", "--use-distributed-optimizer", "--save", "/x"), "--optimizer muon --use-distributed-optimizer .*--save"),
+    (("dist_muon", "--load", "/x"), r"--optimizer dist_muon \(megatron's layer-wise distributed optimizer\)"),
 ])
 def test_combinations_it_cannot_serve_are_refused_by_name(flags, text):
     with pytest.raises(FeatureConfigError, match=text):
