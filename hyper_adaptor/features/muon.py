@@ -78,6 +78,15 @@ class Muon(Feature):
         if asked(args, "optimizer_cpu_offload"):
             raise FeatureConfigError(f"--optimizer {name} cannot be combined with --optimizer-cpu-offload (the host "
                                      "optimizer serves adam and sgd)")
+        layer_wise = name == "dist_muon" or getattr(args, "use_distributed_optimizer", False)
+        if layer_wise and (getattr(args, "save", None) or getattr(args, "load", None)):
+            # megatron-core 0.19.2's layer-wise optimizer checkpoints: an fp32 save fails (KeyError
+            # 'optimizer' in its sharded_state_dict) and a bf16 run resumes with other losses than the
+            # uninterrupted run's (seen: 5.30168 vs 5.249396 two steps after the load, TP1 DP2)
+            how = "--optimizer dist_muon" if name == "dist_muon" else f"--optimizer {name} --use-distributed-optimizer"
+            raise FeatureConfigError(f"{how} (megatron's layer-wise distributed optimizer) cannot be combined with "
+                                     "--save / --load: megatron-core's layer-wise Muon checkpoints do not resume "
+                                     "the run; use --use-hsdp, whose Muon checkpoints resume bitwise")
         if muon_engine(args) == "hyper":
             from hyper_adaptor.optim.muon import COEFFICIENT_SETS
 
