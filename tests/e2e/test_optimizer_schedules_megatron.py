@@ -72,9 +72,12 @@ def mismatches(logged: dict, schedule: dict, shift: int = 0) -> list:
 
 
 @pytest.fixture(scope="module")
-def logs():
-    with ThreadPoolExecutor(len(RUNS)) as pool:
-        futures = {name: pool.submit(pretrain, 1, *COMMON, *flags, model=MODEL) for name, (flags, _) in RUNS.items()}
+def logs(request):
+    # only the selected runs (``-k WSD`` starts four), all at once
+    names = {item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and hasattr(item, "callspec")}
+    with ThreadPoolExecutor(len(names)) as pool:
+        futures = {name: pool.submit(pretrain, 1, *COMMON, *RUNS[name][0], model=MODEL) for name in names}
         return {name: future.result()[1] for name, future in futures.items()}
 
 
