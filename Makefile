@@ -31,6 +31,10 @@ $(STAMP): setup.py Makefile
 	# Megatron-LM checkouts (no pip metadata); 2-3 MB each
 	for v in $(MCORE_RELEASES); do $(PY) -m pip download --quiet --no-deps --ignore-requires-python \
 		"megatron-core==$$v" -d $(VENV)/megatron-releases; done
+	# megatron's own Muon (emerging-optimizers, Python >= 3.12 declared), for the tests that compare with it;
+	# not installed: the suite runs without it, as most Python 3.11 machines do
+	$(PY) -m pip download --quiet --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py==2.5.1 \
+		-d $(VENV)/emerging-optimizers
 	$(PY) -c "import torch, hyper_adaptor.megatron_adaptor, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
 	touch $(STAMP)
 

@@ -36,3 +36,25 @@ def source_tree(version: str, dest: Path) -> Path:
 def copy_tree(source: Path, dest: Path) -> Path:
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
+
+
+# megatron's own Muon comes from emerging-optimizers (and its one dependency besides torch, absl-py),
+# which declares Python >= 3.12: the tests put the unpacked wheels on PYTHONPATH of the runs that compare
+# against it, and the rest of the suite runs without it (hyper_adaptor's Muon serves --optimizer muon).
+EMERGING = Path(sys.prefix) / "emerging-optimizers"
+EMERGING_PINS = ("emerging-optimizers==0.3.0", "absl-py==2.5.1")
+
+
+def emerging_optimizers_tree(dest: Path) -> Path:
+    """``dest`` holding the ``emerging_optimizers`` and ``absl`` packages (no pip metadata)."""
+    for pin in EMERGING_PINS:
+        stem = pin.split("==")[0].replace("-", "_")
+        if not sorted(EMERGING.glob(f"{stem}-*.whl")):
+            EMERGING.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--ignore-requires-python",
+                            pin, "-d", str(EMERGING)], check=True, timeout=600)
+        found = sorted(EMERGING.glob(f"{stem}-*.whl"))
+        assert found, f"no {pin} wheel in {EMERGING}"
+        with zipfile.ZipFile(found[-1]) as archive:
+            archive.extractall(dest, [m for m in archive.namelist() if ".dist-info/" not in m])
+    return dest

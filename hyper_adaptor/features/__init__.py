@@ -15,6 +15,7 @@ from hyper_adaptor.features.fused_swiglu import FusedSwiGLU
 from hyper_adaptor.features.grad_accum_fusion import GradAccumFusion
 from hyper_adaptor.features.hsdp import HSDP
 from hyper_adaptor.features.moe_grouped_gemm import MoEGroupedGEMM
+from hyper_adaptor.features.muon import Muon
 from hyper_adaptor.features.optimizer_offload import OptimizerOffload
 from hyper_adaptor.features.pipeline import Pipeline
 from hyper_adaptor.features.profiling import Profiling
@@ -23,7 +24,7 @@ from hyper_adaptor.features.swap import Swap
 
 # Fixed, documented application order: compatibility first, then kernels, then parallel algorithms,
 # then memory (swap before recompute: recompute's checks read what is swapped, and its wrap of the
-# block constructor is declared after swap's), optimizer offload last.
+# block constructor is declared after swap's), optimizer offload, then the optimizer itself (Muon).
 FEATURES: tuple[Feature, ...] = (
     Compat(),
     Determinism(),
@@ -42,6 +43,7 @@ FEATURES: tuple[Feature, ...] = (
     Swap(),
     Recompute(),
     OptimizerOffload(),
+    Muon(),
 )
 
 

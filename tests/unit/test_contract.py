@@ -46,6 +46,9 @@ COMMAND_LINES = {
         "--bf16", "--pipeline-schedule", "zbv", "--fine-grained-activation-offloading",
         "--moe-token-dispatcher-type", "alltoall", "--moe-dispatcher-engine", "hyper",
         "--offload-modules", "attn_norm", "core_attn", "--recompute-activation-function"),
+    # Muon cannot be combined with --optimizer-cpu-offload (the host optimizer serves adam and sgd)
+    "muon": EVERY[:EVERY.index("--optimizer-cpu-offload")] + (
+        "--optimizer", "muon", "--use-hsdp", "--bf16", "--muon-tp-mode", "distributed"),
 }
 KEBAB = re.compile(r"^--[a-z0-9]+(-[a-z0-9]+)*$")
 # on by default in megatron: requested whenever megatron's default is, never "asked" (documented there)
@@ -103,7 +106,8 @@ def test_adjust_says_every_change_and_every_flag_it_hides_or_takes(line, tmp_pat
     # the record is one plain dict on the namespace (megatron prints, copies and checkpoints it)
     record = getattr(args, base.RECORD)
     assert type(record) is dict and set(record) == {"hidden", "taken"}
-    assert {"deterministic_mode", "optimizer_cpu_offload", "moe_grouped_gemm"} <= set(record["hidden"])
+    offload = {"optimizer_cpu_offload"} if "--optimizer-cpu-offload" in COMMAND_LINES[line] else set()
+    assert {"deterministic_mode", "moe_grouped_gemm"} | offload <= set(record["hidden"])
     assert "profile" in record["taken"]
     for dest, value in base.taken(args).items():
         assert base.asked(args, dest) == value and getattr(args, dest) in (False, [])

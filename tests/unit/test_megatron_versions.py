@@ -53,8 +53,9 @@ def test_the_pip_package_is_found_by_its_metadata():
     assert megatron_version.check(found) == (found, None)
 
 
-# describe twice in one interpreter: --use-hsdp switches gradient-accumulation fusion off, so its
-# patches are resolved by the second run, without HSDP (and with ZBV, which HSDP refuses: its V placement)
+# describe three times in one interpreter: --use-hsdp switches gradient-accumulation fusion off, so its
+# patches are resolved by the second run, without HSDP (and with ZBV, which HSDP refuses: its V placement);
+# the third serves --optimizer muon (which --optimizer-cpu-offload refuses)
 DESCRIBE_BOTH = f"""
 import sys
 from hyper_adaptor import cli
@@ -62,7 +63,9 @@ flags = {EVERY_FEATURE!r}
 first = cli.main(["describe", *flags])
 print("=" * 20)
 second = cli.main(["describe", *["zbv" if f == "interleaved" else f for f in flags if f != "--use-hsdp"]])
-sys.exit(first or second)
+print("=" * 20)
+third = cli.main(["describe", *[f for f in flags if f != "--optimizer-cpu-offload"], "--optimizer", "muon"])
+sys.exit(first or second or third)
 """
 
 

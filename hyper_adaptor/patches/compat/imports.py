@@ -55,6 +55,36 @@ def fill_paged_stash(module) -> None:
     module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
 
 
+# emerging_optimizers (megatron's Muon) imports its triton kernels (a fused X X^T for Newton-Schulz, used
+# only when asked for with use_syrk, which megatron never does) at import time: without triton the whole
+# package, and with it megatron.core.optimizer once the package is installed, fails to import.
+EO_TRITON_MODULE = "emerging_optimizers.triton_kernels"
+
+
+class _SyrkUnavailable:
+    def __init__(self, name):
+        self.__name__ = name
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{EO_TRITON_MODULE}.{self.__name__} is a triton kernel and triton is not installed "
+                           "(megatron's Muon does not call it; use_syrk=False)")
+
+
+def fill_eo_triton_kernels(module) -> None:
+    # HAS_TRITON_340 False is the package's own "no usable triton" answer: use_syrk falls back to torch.
+    module.HAS_TRITON_340 = False
+    module.tsyrk_ex = _SyrkUnavailable("tsyrk_ex")
+    module.tsyrk_ex_small_matrix = _SyrkUnavailable("tsyrk_ex_small_matrix")
+    module.__all__ = ["HAS_TRITON_340", "tsyrk_ex", "tsyrk_ex_small_matrix"]
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def patches() -> list[Patch]:
     """The import shims this interpreter needs (none on Python >= 3.12 with triton installed)."""
     result = []
@@ -63,6 +93,8 @@ def patches() -> list[Patch]:
     if importlib.util.find_spec("triton") is None and TRITON_ONLY_MODULE not in sys.modules:
         # without triton, its kernels raise a clear error when called; importing the module works
         result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))
+    if _installed("emerging_optimizers") and not _installed("triton") and EO_TRITON_MODULE not in sys.modules:
+        result.append(Patch(EO_TRITON_MODULE, fill_eo_triton_kernels, "module", FEATURE))
     return result
 
 

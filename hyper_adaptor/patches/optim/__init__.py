@@ -1,0 +1,1 @@
+"""Seams of megatron's optimizer factory served by ``hyper_adaptor.optim``."""
