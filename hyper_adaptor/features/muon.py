@@ -79,14 +79,15 @@ class Muon(Feature):
             raise FeatureConfigError(f"--optimizer {name} cannot be combined with --optimizer-cpu-offload (the host "
                                      "optimizer serves adam and sgd)")
         layer_wise = name == "dist_muon" or getattr(args, "use_distributed_optimizer", False)
-        if layer_wise and (getattr(args, "save", None) or getattr(args, "load", None)):
-            # megatron-core 0.19.2's layer-wise optimizer checkpoints: an fp32 save fails (KeyError
-            # 'optimizer' in its sharded_state_dict) and a bf16 run resumes with other losses than the
-            # uninterrupted run's (seen: 5.30168 vs 5.249396 two steps after the load, TP1 DP2)
+        saves = getattr(args, "save", None) or getattr(args, "load", None)
+        if layer_wise and saves and not getattr(args, "bf16", False):
+            # megatron-core 0.19.2's layer-wise optimizer cannot write an fp32 run's checkpoint: its
+            # sharded_state_dict looks for the 'optimizer' entry megatron's bf16 wrapper makes and fp32's
+            # FP32Optimizer does not (KeyError: 'optimizer', megatron's own Muon alike)
             how = "--optimizer dist_muon" if name == "dist_muon" else f"--optimizer {name} --use-distributed-optimizer"
-            raise FeatureConfigError(f"{how} (megatron's layer-wise distributed optimizer) cannot be combined with "
-                                     "--save / --load: megatron-core's layer-wise Muon checkpoints do not resume "
-                                     "the run; use --use-hsdp, whose Muon checkpoints resume bitwise")
+            raise FeatureConfigError(f"{how} (megatron's layer-wise distributed optimizer) without --bf16 cannot be "
+                                     "combined with --save / --load: megatron-core's layer-wise checkpoint has no "
+                                     "fp32 path; add --bf16, or use --use-hsdp (Muon checkpoints in fp32 and bf16)")
         if muon_engine(args) == "hyper":
             from hyper_adaptor.optim.muon import COEFFICIENT_SETS
 

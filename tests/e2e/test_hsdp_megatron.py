@@ -147,13 +147,30 @@ RESUMES = {
 }
 
 
+@pytest.fixture(scope="module")
+def saved_runs(tmp_path_factory):
+    """The uninterrupted saving runs, one per distinct (layout, saving flags, model): resumes that read
+    the same checkpoint share it (the resuming runs only load it)."""
+    cache = {}
+
+    def saved(layout, save_flags, model):
+        key = (layout, tuple(save_flags), tuple(model))
+        if key not in cache:
+            ckpt = str(tmp_path_factory.mktemp("ckpt") / "ckpt")
+            common = ["--mock-data", "--train-iters", "6", *COMMON[3:], *LAYOUTS[layout]]
+            full, output = pretrain(4, *common, *save_flags, "--save", ckpt, "--save-interval", "3", model=model)
+            assert sorted(full) == [1, 2, 3, 4, 5, 6]
+            cache[key] = ckpt, full, output
+        return cache[key]
+
+    return saved
+
+
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_save_then_resume_reproduces_the_next_losses(tmp_path, name):
+def test_save_then_resume_reproduces_the_next_losses(saved_runs, name):
     layout, save_flags, load_flags, model = RESUMES[name]
     common = ["--mock-data", "--train-iters", "6", *COMMON[3:], *LAYOUTS[layout]]
-    ckpt = str(tmp_path / "ckpt")
-    full, full_output = pretrain(4, *common, *save_flags, "--save", ckpt, "--save-interval", "3", model=model)
-    assert sorted(full) == [1, 2, 3, 4, 5, 6]
+    ckpt, full, full_output = saved_runs(layout, save_flags, model)
     resumed, output = pretrain(4, *common, *load_flags, "--load", ckpt, "--ckpt-step", "3", model=model)
     assert sorted(resumed) == [4, 5, 6], resumed
     # iteration 5 is logged as the mean of 4 and 5 after a resume (megatron.training's logger; see

@@ -3,12 +3,13 @@
 Every distributed layout against the one-process run of the same model (losses within 1e-5 relative,
 grad norms as logged equal): TP2 with ``--muon-tp-mode duplicated`` and ``distributed`` (the whole
 matrix's orthogonalisation, so the one-process result), DP2 with megatron's distributed optimizer
-(layer-wise: each matrix on one owner rank), HSDP level 2 over shard groups of 2 at DP4 and level 3
-under TP2 x DP2, and HSDP level 1 saving at iteration 2 and resuming. ``--muon-tp-mode blockwise``
-orthogonalises each TP slice on its own (megatron's meaning, not the one-process result), and
-pipeline stages initialise their layers from different seeds than one process does: those two run
-against megatron's own Muon (emerging-optimizers, unpacked from its wheel onto PYTHONPATH) at the same
-layout, with megatron's default bf16 Newton-Schulz iterations and Nesterov momentum for the first.
+(layer-wise: each matrix on one owner rank), HSDP level 3 under TP2 x DP2, and HSDP level 2 over shard
+groups of 2 at DP4 saving at iteration 2 and resuming (level 1: tests/distributed/test_muon_sharded.py).
+``--muon-tp-mode blockwise`` orthogonalises each TP slice on its own (megatron's meaning, not the
+one-process result), and pipeline stages initialise their layers from different seeds than one
+process does: those two run against megatron's own Muon (emerging-optimizers, unpacked from its wheel
+onto PYTHONPATH) at the same layout, with megatron's default bf16 Newton-Schulz iterations and
+Nesterov momentum for the first.
 
 ``--vocab-size 255`` keeps the padded vocabulary at 256 under TP1 and TP2 (megatron pads to 128 x TP),
 so TP2 trains the one-process model. ``--muon-fp32-matmul-prec high``: fp32 Newton-Schulz.
@@ -30,7 +31,6 @@ AGAINST_ONE_PROCESS = {
     "TP2-duplicated": (2, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]),
     "TP2-distributed": (2, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "distributed"]),
     "DP2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
-    "DP4-hsdp-level2-shard2": (4, [*HSDP, "--hsdp-optimizer-level", "level2", "--hsdp-shard-size", "2"]),
     "TP2xDP2-hsdp-level3": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated", *HSDP,
                                 "--hsdp-optimizer-level", "level3"]),
 }
@@ -85,12 +85,18 @@ def test_hyper_adaptors_muon_is_megatrons(with_megatrons_muon, name):
     assert our_norms == their_norms
 
 
-def test_hsdp_level1_saves_and_resumes_to_the_uninterrupted_run(one_process, tmp_path):
-    ckpt = ["--save", str(tmp_path), "--save-interval", "2", "--hsdp-optimizer-level", "level1", *HSDP, *FP32_NS]
-    first, output = pretrain(2, *COMMON, *ckpt, "--exit-interval", "2")
+def test_hsdp_level2_hybrid_saves_and_resumes_to_the_uninterrupted_run(one_process, tmp_path):
+    ckpt = ["--save", str(tmp_path), "--save-interval", "2", "--hsdp-optimizer-level", "level2",
+            "--hsdp-shard-size", "2", *HSDP, *FP32_NS]
+    first, output = pretrain(4, *COMMON, *ckpt, "--exit-interval", "2")
     assert sorted(first) == [1, 2], output[-3000:]
-    resumed, output = pretrain(2, *COMMON, *ckpt, "--load", str(tmp_path))
+    assert "served by hyper_adaptor's Muon (--use-hsdp)" in output
+    resumed, output = pretrain(4, *COMMON, *ckpt, "--load", str(tmp_path))
     assert sorted(resumed) == [3, 4], output[-3000:]
-    # bitwise as logged: the momentum buffers came back
-    assert {**first, **resumed} == one_process[0]
-    assert {**grad_norms(output)} == {k: v for k, v in one_process[1].items() if k > 2}
+    full, full_norms = one_process[0], one_process[1]
+    # bitwise as logged: the momentum buffers came back (iteration 4's grad norm is taken after a step
+    # that used them). megatron.training logs the second iteration after a resume as the mean of it and
+    # the one before (tests/e2e/test_pretrain_gpt.py); either value is accepted there, nothing else.
+    assert first == {1: full[1], 2: full[2]} and resumed[3] == full[3]
+    assert resumed[4] in (full[4], round((full[3] + full[4]) / 2, 6)), (resumed, full)
+    assert grad_norms(output) == {k: v for k, v in full_norms.items() if k > 2}

@@ -83,6 +83,11 @@ RUNS = {
                                             "--use-precision-aware-optimizer"]),
     # megatron's bf16 optimizer (Float16OptimizerWithFloat16Params): its fp32 main copies on the host only
     "offload_bf16_float16": (True, ["--optimization-level", "2", "--bf16", *OFFLOAD]),
+    # --optimizer muon (hyper_adaptor's Muon where emerging-optimizers is not installed): fp32 Newton-Schulz
+    # ("high": TF32 matmuls on CUDA, as megatron's own); HSDP's owner-rank gather / scatter over NCCL
+    "muon": (True, ["--optimization-level", "2", "--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]),
+    "muon_hsdp_level3": (True, ["--optimization-level", "2", "--optimizer", "muon", "--muon-fp32-matmul-prec", "high",
+                                "--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     "moe_unpatched": (False, [*NO_FUSIONS, *MOE]),
     "moe_level0": (True, ["--optimization-level", "0", *MOE]),
     "moe_engine": (True, ["--optimization-level", "2", *MOE, *ENGINE]),
@@ -176,6 +181,7 @@ def close(a, b, rtol):
     ("offload_bf16", "level2_bf16_distopt", 1e-4),
     ("offload_bf16_precision_aware", "level2_bf16_distopt", 1e-4),
     ("offload_bf16_float16", "level2_bf16", 1e-4),
+    ("muon_hsdp_level3", "muon", 1e-5),
     ("moe_level0", "moe_unpatched", 0.0),
     ("moe_engine", "moe_unpatched", 1e-5),
     # the same grouped GEMM; the engine combines a token's top-k outputs in another order (bf16 sums)

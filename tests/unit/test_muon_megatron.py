@@ -177,11 +177,15 @@ def test_muon_is_served_here_without_emerging_optimizers():
     (("muon", "--muon-coefficient-type", "cubic"), "--muon-coefficient-type cubic is not one of"),
     (("muon", "--muon-num-ns-steps", "0"), "--muon-num-ns-steps must be >= 1; got 0"),
     (("muon", "--use-distributed-optimizer", "--save", "/x"), "--optimizer muon --use-distributed-optimizer .*--save"),
-    (("dist_muon", "--load", "/x"), r"--optimizer dist_muon \(megatron's layer-wise distributed optimizer\)"),
+    (("dist_muon", "--load", "/x"), r"--optimizer dist_muon \(megatron's layer-wise distributed optimizer\) without"),
 ])
 def test_combinations_it_cannot_serve_are_refused_by_name(flags, text):
     with pytest.raises(FeatureConfigError, match=text):
         _validate(*flags)
+
+
+def test_layer_wise_checkpoints_are_served_in_bf16():
+    _validate("muon", "--use-distributed-optimizer", "--bf16", "--save", "/x", "--load", "/x")
 
 
 def test_adam_leaves_the_feature_off():
