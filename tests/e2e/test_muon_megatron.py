@@ -1,10 +1,10 @@
-"""``--optimizer muon`` through megatron.training (examples/pretrain_gpt.py, torchrun, CPU), fp32, 4 steps.
+"""``--optimizer muon`` through megatron.training (examples/pretrain_gpt.py, torchrun, CPU), fp32, 5 steps.
 
 Every distributed layout against the one-process run of the same model (losses within 1e-5 relative,
 grad norms as logged equal): TP2 with ``--muon-tp-mode duplicated`` and ``distributed`` (the whole
 matrix's orthogonalisation, so the one-process result), DP2 with megatron's distributed optimizer
-(layer-wise: each matrix on one owner rank), HSDP level 3 under TP2 x DP2, and HSDP level 2 over shard
-groups of 2 at DP4 saving at iteration 2 and resuming (level 1: tests/distributed/test_muon_sharded.py).
+(layer-wise: each matrix on one owner rank), HSDP level 1 at DP2, level 3 under TP2 x DP2, and level 2
+over shard groups of 2 at DP4 saving at iteration 2 and resuming.
 ``--muon-tp-mode blockwise`` orthogonalises each TP slice on its own (megatron's meaning, not the
 one-process result), and pipeline stages initialise their layers from different seeds than one
 process does: those two run against megatron's own Muon (emerging-optimizers, unpacked from its wheel
@@ -23,7 +23,7 @@ from tests.e2e.test_pretrain_gpt import grad_norms, pretrain
 from tests.megatron_trees import emerging_optimizers_tree
 
 pytestmark = pytest.mark.e2e
-COMMON = ["--mock-data", "--train-iters", "4", "--global-batch-size", "8", "--hidden-dropout", "0.0",
+COMMON = ["--mock-data", "--train-iters", "5", "--global-batch-size", "8", "--hidden-dropout", "0.0",
           "--attention-dropout", "0.0", "--num-workers", "0", "--vocab-size", "255", "--optimizer", "muon"]
 FP32_NS = ["--muon-fp32-matmul-prec", "high"]
 HSDP = ["--use-hsdp", "--hsdp-threshold-kb", "0"]
@@ -31,6 +31,7 @@ AGAINST_ONE_PROCESS = {
     "TP2-duplicated": (2, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]),
     "TP2-distributed": (2, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "distributed"]),
     "DP2-distributed-optimizer": (2, ["--use-distributed-optimizer"]),
+    "DP2-hsdp-level1": (2, [*HSDP, "--hsdp-optimizer-level", "level1"]),
     "TP2xDP2-hsdp-level3": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated", *HSDP,
                                 "--hsdp-optimizer-level", "level3"]),
 }
@@ -43,7 +44,7 @@ AGAINST_MEGATRONS_MUON = {
 
 def _run(nproc, *flags, env=None):
     losses, output = pretrain(nproc, *COMMON, *flags, env=env)
-    assert sorted(losses) == [1, 2, 3, 4], output[-3000:]
+    assert sorted(losses) == [1, 2, 3, 4, 5], output[-3000:]
     return losses, grad_norms(output), output
 
 
@@ -92,11 +93,11 @@ def test_hsdp_level2_hybrid_saves_and_resumes_to_the_uninterrupted_run(one_proce
     assert sorted(first) == [1, 2], output[-3000:]
     assert "served by hyper_adaptor's Muon (--use-hsdp)" in output
     resumed, output = pretrain(4, *COMMON, *ckpt, "--load", str(tmp_path))
-    assert sorted(resumed) == [3, 4], output[-3000:]
+    assert sorted(resumed) == [3, 4, 5], output[-3000:]
     full, full_norms = one_process[0], one_process[1]
     # bitwise as logged: the momentum buffers came back (iteration 4's grad norm is taken after a step
     # that used them). megatron.training logs the second iteration after a resume as the mean of it and
     # the one before (tests/e2e/test_pretrain_gpt.py); either value is accepted there, nothing else.
-    assert first == {1: full[1], 2: full[2]} and resumed[3] == full[3]
+    assert first == {1: full[1], 2: full[2]} and resumed[3] == full[3] and resumed[5] == full[5]
     assert resumed[4] in (full[4], round((full[3] + full[4]) / 2, 6)), (resumed, full)
     assert grad_norms(output) == {k: v for k, v in full_norms.items() if k > 2}
