@@ -143,7 +143,8 @@ class ShardedMuon(torch.optim.Optimizer):
                     buf = _local(self.state[p]["momentum_buffer"])
                     if wd:
                         if self.decoupled_weight_decay:
-                            param.mul_(1.0 - lr * wd)
+                            # p + (-lr wd) p, not p (1 - lr wd): the same rounding as megatron's Muon
+                            param.add_(param, alpha=-lr * wd)
                         else:
                             grad = grad.add(param, alpha=wd)
                     buf.lerp_(grad, 1.0 - mu)

@@ -9,7 +9,7 @@ over shard groups of 2 at DP4 saving at iteration 2 and resuming.
 one-process result), and pipeline stages initialise their layers from different seeds than one
 process does: those two run against megatron's own Muon (emerging-optimizers, unpacked from its wheel
 onto PYTHONPATH) at the same layout, with megatron's default bf16 Newton-Schulz iterations and
-Nesterov momentum for the first.
+Nesterov momentum for the first, and ``--bf16`` for the second.
 
 ``--vocab-size 255`` keeps the padded vocabulary at 256 under TP1 and TP2 (megatron pads to 128 x TP),
 so TP2 trains the one-process model. ``--muon-fp32-matmul-prec high``: fp32 Newton-Schulz.
@@ -38,7 +38,8 @@ AGAINST_ONE_PROCESS = {
 AGAINST_MEGATRONS_MUON = {
     "TP2-blockwise-bf16-iterations": (2, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "blockwise",
                                           "--muon-nesterov"]),
-    "PP2": (2, ["--pipeline-model-parallel-size", "2", *FP32_NS]),
+    # --bf16: megatron's bf16 optimizer steps Muon on fp32 main copies; the two log the same digits
+    "PP2-bf16": (2, ["--pipeline-model-parallel-size", "2", "--bf16", *FP32_NS]),
 }
 
 
