@@ -130,6 +130,14 @@ def orthogonalise_blocks(update: torch.Tensor, row_blocks: int, steps: int, eps:
     return torch.cat([newton_schulz(block, steps, eps) for block in update.chunk(row_blocks, dim=0)], dim=0)
 
 
+def run_closure(closure):
+    """torch's optimizer contract: re-evaluate the loss with gradients on when a closure is given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class Muon(torch.optim.Optimizer):
     """Momentum + Newton-Schulz orthogonalised update, for 2-D parameters only.
 
@@ -174,10 +182,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             blocks = group["row_blocks"]

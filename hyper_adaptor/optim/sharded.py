@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .muon import COEFFICIENT_SETS, SCALE_MODES, newton_schulz, scale_factor
+from .muon import COEFFICIENT_SETS, SCALE_MODES, newton_schulz, run_closure, scale_factor
 from .owners import assign_owners, ns_flops
 
 TP_MODES = ("blockwise", "duplicated", "distributed")
@@ -128,10 +128,7 @@ class ShardedMuon(torch.optim.Optimizer):
     # -- step ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         with _fp32_matmul_precision(self.fp32_matmul_prec):
             for group in self.param_groups:
                 self._init_group(group)
