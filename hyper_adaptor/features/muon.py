@@ -51,6 +51,10 @@ class Muon(Feature):
         Flag("--muon-engine", "who builds --optimizer muon: auto (megatron's own where emerging-optimizers "
              "imports and --use-hsdp is off, hyper_adaptor's otherwise), hyper, megatron",
              {"choices": ENGINES, "default": "auto"}),
+        Flag("--muon-layer-wise-balance", "with --use-distributed-optimizer (megatron's layer-wise optimizer): deal "
+             "each bucket's matrices to the ranks that run their Newton-Schulz by its flops (flops) or keep "
+             "megatron's deal by element count (elements: the smallest buffer)",
+             {"choices": ("flops", "elements"), "default": "flops"}),
     )
 
     def requested(self, args) -> bool:
@@ -102,7 +106,8 @@ class Muon(Feature):
     def patches(self, args):
         from hyper_adaptor.patches.optim import muon
 
-        return muon.patches(serve=args.optimizer in ("muon", "dist_muon") and muon_engine(args) == "hyper")
+        return muon.patches(serve=args.optimizer in ("muon", "dist_muon") and muon_engine(args) == "hyper",
+                            balance_flops=getattr(args, "muon_layer_wise_balance", "flops") == "flops")
 
     def on_applied(self, args) -> None:
         if args.optimizer not in ("muon", "dist_muon"):

@@ -165,7 +165,9 @@ def test_muon_is_served_here_without_emerging_optimizers():
     args = _validate("muon")
     assert muon.is_enabled(args) and muon_engine(args) == "hyper"
     assert {p.target.rsplit(".", 1)[-1] for p in muon.patches(args)} == {
-        "__init__", "_create_emerging_optimizer", "HAVE_EMERGING_OPTIMIZERS"}
+        "__init__", "_compute_per_buffer_param_layout", "_create_emerging_optimizer", "HAVE_EMERGING_OPTIMIZERS"}
+    kept = megatron_args("--optimizer", "muon", "--muon-layer-wise-balance", "elements")
+    assert "_compute_per_buffer_param_layout" not in {p.target.rsplit(".", 1)[-1] for p in muon.patches(kept)}
     assert muon_engine(_validate("muon", "--use-hsdp")) == "hyper"
 
 
@@ -191,3 +193,87 @@ def test_layer_wise_checkpoints_are_served_in_bf16():
 def test_adam_leaves_the_feature_off():
     args = megatron_args("--optimizer", "adam")
     assert not muon.is_enabled(args)
+
+
+def _layer_wise_layouts(ranks):
+    """megatron's layer-wise layout of a matrix set (one bucket) and hyper_adaptor's re-deal of it."""
+    import hyper_adaptor.megatron_adaptor  # noqa: F401  (the import shims megatron.core needs here)
+    from hyper_adaptor.patches.optim.muon import rebalance_layout
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    # as many elements in a [1024, 256] matrix as in a [64, 4096] one, ~4.5x the Newton-Schulz flops
+    # (cubic in the short side): what megatron's element-count deal cannot see
+    shapes = [(1024, 256)] * 3 + [(64, 4096)] * 3 + [(48, 512), (512, 48)]
+    params = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
+    config = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    # the method as megatron defines it (the wrap is not applied in this process)
+    theirs = LayerWiseDistributedOptimizer._compute_per_buffer_param_layout(params, None, ranks, config)
+    divisor = LayerWiseDistributedOptimizer._shard_divisor(ranks, config)
+    return params, theirs, rebalance_layout(theirs, ranks, divisor)
+
+
+def _shard_loads(params, layout, ranks):
+    from hyper_adaptor.optim import ns_flops
+
+    loads = [0.0] * ranks
+    for p in params:
+        start, end, bucket = layout.param_index_map[p]
+        first, last = layout.bucket_indices[bucket]
+        width = (last - first) // ranks
+        shard = (start - first) // width
+        assert end <= first + (shard + 1) * width, "a parameter crosses a shard boundary"
+        assert start % 64 == 0
+        loads[shard] += ns_flops(p.shape)
+    return loads
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_layer_wise_owners_are_dealt_by_newton_schulz_flops(ranks):
+    from hyper_adaptor.optim import ns_flops
+
+    params, theirs, ours = _layer_wise_layouts(ranks)
+    assert set(ours.param_index_map) == set(theirs.param_index_map)
+    assert [b for _, _, b in ours.param_index_map.values()] == [b for _, _, b in theirs.param_index_map.values()]
+    for (a, b), (c, _) in zip(ours.bucket_indices, ours.bucket_indices[1:]):
+        assert b == c and (b - a) % ranks == 0  # contiguous buckets of equal shards
+    ours_loads, theirs_loads = _shard_loads(params, ours, ranks), _shard_loads(params, theirs, ranks)
+    mean = sum(ours_loads) / ranks
+    largest = max(ns_flops(p.shape) for p in params)  # no assignment of whole matrices goes below it
+    assert max(ours_loads) / mean <= 1.15 or max(ours_loads) == largest, (ours_loads, theirs_loads)
+    if ranks in (2, 4):  # where the deals differ: 1.079 against megatron's 1.209 and 1.322
+        assert max(theirs_loads) / mean > 1.2 and max(ours_loads) / mean < 1.1
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_layer_wise_ping_pong_deal_by_newton_schulz_flops(ranks):
+    """The deal megatron uses without a layer-wise layout (megatron.training's builders in 0.19.2)."""
+    import types
+
+    import hyper_adaptor.megatron_adaptor  # noqa: F401  (the import shims megatron.core needs here)
+    from hyper_adaptor.optim import ns_flops
+    from hyper_adaptor.patches.optim.muon import flop_balanced_ping_pong
+
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    def deal(function):
+        torch.manual_seed(0)
+        shapes = [(1024, 256)] * 3 + [(64, 4096)] * 3 + [(48, 512), (512, 48)]
+        matrices = [torch.nn.Parameter(torch.empty(s)) for s in shapes]
+        norms = [torch.nn.Parameter(torch.empty(256)) for _ in range(4)]
+        muon, adam = torch.optim.SGD(matrices, lr=0.1), torch.optim.SGD(norms, lr=0.1)
+        owner = types.SimpleNamespace(dp_cp=None, expt_dp=None)
+        function(owner, [muon, adam], ranks, 1)
+        loads = [sum(ns_flops(p.shape) for p in params if p.dim() == 2) for params in owner.dp_cp_params_list]
+        owned = sorted(id(p) for params in owner.dp_cp_params_list for p in params)
+        assert owned == sorted(id(p) for p in matrices + norms)  # each parameter owned exactly once
+        assert owner.expt_dp_params_list is None
+        # this process is rank 0 of every group: its optimizers keep exactly its own parameters
+        local = {id(p) for g in muon.param_groups + adam.param_groups for p in g["params"]}
+        return max(loads) / (sum(loads) / ranks), local == {id(p) for p in owner.dp_cp_params_list[0]}
+
+    theirs, their_local = deal(LayerWiseDistributedOptimizer._shard_params_ping_pong)
+    ours, our_local = deal(flop_balanced_ping_pong(LayerWiseDistributedOptimizer._shard_params_ping_pong))
+    assert our_local and their_local
+    assert ours < theirs and ours <= 1.15, (ours, theirs)
