@@ -165,9 +165,11 @@ def test_muon_is_served_here_without_emerging_optimizers():
     args = _validate("muon")
     assert muon.is_enabled(args) and muon_engine(args) == "hyper"
     assert {p.target.rsplit(".", 1)[-1] for p in muon.patches(args)} == {
-        "__init__", "_compute_per_buffer_param_layout", "_create_emerging_optimizer", "HAVE_EMERGING_OPTIMIZERS"}
+        "__init__", "_compute_per_buffer_param_layout", "_shard_params_ping_pong", "_create_emerging_optimizer",
+        "HAVE_EMERGING_OPTIMIZERS"}
     kept = megatron_args("--optimizer", "muon", "--muon-layer-wise-balance", "elements")
-    assert "_compute_per_buffer_param_layout" not in {p.target.rsplit(".", 1)[-1] for p in muon.patches(kept)}
+    assert {p.target.rsplit(".", 1)[-1] for p in muon.patches(kept)} == {
+        "__init__", "_create_emerging_optimizer", "HAVE_EMERGING_OPTIMIZERS"}
     assert muon_engine(_validate("muon", "--use-hsdp")) == "hyper"
 
 
