@@ -100,5 +100,7 @@ def test_hsdp_level2_hybrid_saves_and_resumes_to_the_uninterrupted_run(one_proce
     # that used them). megatron.training logs the second iteration after a resume as the mean of it and
     # the one before (tests/e2e/test_pretrain_gpt.py); either value is accepted there, nothing else.
     assert first == {1: full[1], 2: full[2]} and resumed[3] == full[3] and resumed[5] == full[5]
-    assert resumed[4] in (full[4], round((full[3] + full[4]) / 2, 6)), (resumed, full)
+    # (the mean of the true losses, rounded to the logged digits: within 1e-6 of the logged values' mean)
+    mean = (full[3] + full[4]) / 2
+    assert resumed[4] == full[4] or abs(resumed[4] - mean) <= 1e-6, (resumed, full)
     assert grad_norms(output) == {k: v for k, v in full_norms.items() if k > 2}
