@@ -12,6 +12,7 @@ Seam: hyper_adaptor/patches/optim/muon.py.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag, asked
@@ -22,8 +23,10 @@ EMERGING = ("muon", "dist_muon", "adaptive_muon", "lion", "soap")
 ENGINES = ("auto", "hyper", "megatron")
 
 
+@functools.lru_cache(maxsize=1)
 def emerging_optimizers_problem() -> str | None:
-    """None when ``emerging_optimizers`` imports here, else why not (one line)."""
+    """None when ``emerging_optimizers`` imports here, else why not (one line). Asked by validation, the
+    engine choice, the patches and the notice; a failed import is not cached by Python, so the answer is."""
     try:
         importlib.import_module("emerging_optimizers.orthogonalized_optimizers")
         importlib.import_module("emerging_optimizers.scalar_optimizers")

@@ -90,7 +90,7 @@ def patches() -> list[Patch]:
     result = []
     if not hasattr(typing, "override"):  # megatron.training does `from typing import override`
         result.append(Patch("typing.override", _identity_override, "provide", FEATURE, rebind_in=()))
-    if importlib.util.find_spec("triton") is None and TRITON_ONLY_MODULE not in sys.modules:
+    if not _installed("triton") and TRITON_ONLY_MODULE not in sys.modules:
         # without triton, its kernels raise a clear error when called; importing the module works
         result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))
     if _installed("emerging_optimizers") and not _installed("triton") and EO_TRITON_MODULE not in sys.modules:

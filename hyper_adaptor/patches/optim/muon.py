@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 
 from hyper_adaptor.notice import notice
-from hyper_adaptor.optim.owners import assign_owners, ns_flops
+from hyper_adaptor.optim.owners import assign_owners, load_imbalance, ns_flops
 from hyper_adaptor.optim.sharded import ShardedMuon
 from hyper_adaptor.patch_manager import Patch
 
@@ -160,12 +160,13 @@ def flop_balanced_ping_pong(original):
         self.dp_cp_params_list = lists[False]
         expert_lists = lists[True]
         self.expt_dp_params_list = None if expt_dp_size == 1 or not expert_lists[0] else expert_lists
-        dense = lists[False]
-        loads = [sum(_cost(p) for p in params if _is_matrix(p)) for params in dense]
-        if sum(loads):
-            notice(f"--muon-layer-wise-balance flops: Newton-Schulz work max/mean "
-                   f"{max(loads) / (sum(loads) / len(loads)):.3f} over {dp_cp_size} data-parallel ranks "
-                   "(owners dealt by Newton-Schulz flops; --muon-layer-wise-balance elements keeps megatron's deal)")
+        dense = [(p, rank) for rank, params in enumerate(lists[False]) for p in params]
+        matrix_costs = [_cost(p) if _is_matrix(p) else 0.0 for p, _ in dense]
+        if sum(matrix_costs):
+            imbalance = load_imbalance(matrix_costs, [rank for _, rank in dense], dp_cp_size)
+            notice(f"--muon-layer-wise-balance flops: Newton-Schulz work max/mean {imbalance:.3f} over {dp_cp_size} "
+                   "data-parallel ranks (owners dealt by Newton-Schulz flops; --muon-layer-wise-balance elements "
+                   "keeps megatron's deal)")
 
     return _shard_params_ping_pong
 
@@ -184,12 +185,12 @@ def _size(layout) -> int:
 
 
 def _imbalance(layout, ranks: int) -> float:
-    loads = [0.0] * ranks
+    costs, owners = [], []
     for param, (start, _, bucket) in layout.param_index_map.items():
         first, last = layout.bucket_indices[bucket]
-        loads[(start - first) // ((last - first) // ranks)] += ns_flops(param.shape) if param.dim() == 2 else 0.0
-    mean = sum(loads) / ranks
-    return max(loads) / mean if mean else 1.0
+        costs.append(ns_flops(param.shape) if param.dim() == 2 else 0.0)
+        owners.append((start - first) // ((last - first) // ranks))
+    return load_imbalance(costs, owners, ranks)
 
 
 def rebalance_layout(layout, ranks: int, divisor: int):
