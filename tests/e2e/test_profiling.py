@@ -67,7 +67,9 @@ def test_megatron_flags_use_pytorch_profiler_writes_where_megatron_does(tmp_path
 
 def test_without_profile_nothing_is_written_and_bad_input_stops_before_training(tmp_path):
     save = tmp_path / "profile"
-    losses, output = pretrain(1, *DATA, "--train-iters", "2", "--profile-save-path", str(save),
+    # megatron's loader workers on (no --num-workers 0): this is also the suite's plain one-process
+    # --mock-data run
+    losses, output = pretrain(1, "--mock-data", "--train-iters", "2", "--profile-save-path", str(save),
                               "--profile-level", "level2")
     assert sorted(losses) == [1, 2] and not save.exists() and "[profile]" not in output
 
