@@ -19,7 +19,7 @@ from tests.distributed.gpt_parity import Layout, compare
 
 pytestmark = pytest.mark.distributed
 
-TARGET = "tests.distributed.test_memory_megatron:train_variants"
+TARGET = "tests.distributed.test_memory_megatron:train_layouts"
 BITWISE = dict(loss_rtol=0.0, grad_atol=0.0, param_atol=0.0)
 RECOMPUTE = dict(loss_rtol=1e-6, grad_atol=1e-6, param_atol=1e-6)
 
@@ -97,9 +97,21 @@ def _check(results: dict, names: list) -> None:
             assert got["moved_bytes"] > 0 and got["loaded_bytes"] > 0, name
 
 
-@pytest.mark.parametrize("layout,ranks", [(dict(tp=2), 2), (dict(pp=2), 2)], ids=["TP2", "PP2"])
-def test_memory_flags_keep_megatron_numerics(layout, ranks):
-    names = list(VARIANTS)
-    results = run_world(ranks, TARGET, timeout=900, layout=layout, names=names)[0]
-    _check(results, names)
+LAYOUTS = {"TP2": dict(tp=2), "PP2": dict(pp=2)}
+
+
+def train_layouts(rank: int, world_size: int, layouts: dict, names: list) -> dict:
+    return {key: train_variants(rank, world_size, layout, names) for key, layout in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    # both layouts are 2-rank worlds: one world runs them one after the other
+    return run_world(2, TARGET, timeout=900, layouts=LAYOUTS, names=list(VARIANTS))[0]
+
+
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_memory_flags_keep_megatron_numerics(layouts, key):
+    results = layouts[key]
+    _check(results, list(VARIANTS))
     assert any("fine-grained-activation-offloading" in n for n in results["fine_grained"]["notices"])
