@@ -20,6 +20,7 @@ import contextlib
 import enum
 import functools
 import inspect
+import threading
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -29,13 +30,25 @@ from hyper_adaptor.memory.swap_manager import SwapError, SwapGroup, SwapManager,
 
 
 class CheckpointPolicy(enum.Enum):
-    """What a checkpointed region does with one op's output (torch's four, and MUST_SWAP)."""
+    """What a checkpointed region does with one op's output (torch's four, and MUST_SWAP).
 
-    MUST_SAVE = "must_save"
-    PREFER_SAVE = "prefer_save"
-    MUST_RECOMPUTE = "must_recompute"
-    PREFER_RECOMPUTE = "prefer_recompute"
-    MUST_SWAP = "must_swap"   # saved (not recomputed), but kept on the host between forward and backward
+    Values 0..4 as HyperParallel numbers them. ``CheckpointPolicy("must_save")`` (the lower-case name, the
+    spelling of configuration strings) looks a member up by name.
+    """
+
+    MUST_SAVE = 0
+    PREFER_SAVE = 1
+    MUST_RECOMPUTE = 2
+    PREFER_RECOMPUTE = 3
+    MUST_SWAP = 4   # saved (not recomputed), but kept on the host between forward and backward
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, str):
+            member = cls.__members__.get(value.upper())
+            if member is not None:
+                return member
+        return None
 
 
 _TORCH = torch_checkpoint.CheckpointPolicy
@@ -69,15 +82,15 @@ def _manager(manager: SwapManager | None) -> SwapManager:
 
 
 # ------------------------------------------------------------------------------------------- swap
-def swap(fn, *args, policy_fn=None, group_swap: bool = False, manager: SwapManager | None = None,
+def swap(function, *args, policy_fn=None, group_swap: bool = False, manager: SwapManager | None = None,
          tag=None, **kwargs):
-    """``fn(*args, **kwargs)`` with the tensors it saves for backward moved to host between its forward and
-    its backward (nothing is recomputed: results are bitwise those of ``fn``).
+    """``function(*args, **kwargs)`` with the tensors it saves for backward moved to host between its
+    forward and its backward (nothing is recomputed: results are bitwise those of ``function``).
 
     ``policy_fn(tensor) -> bool``: which saved tensors may move (default: every one of at least the
     manager's ``min_bytes``; parameters never). ``group_swap``: join the open group instead of forming one.
     """
-    return _swap(fn, args, kwargs, policy_fn, group_swap, _manager(manager), tag, None)
+    return _swap(function, args, kwargs, policy_fn, group_swap, _manager(manager), tag, None)
 
 
 def _swap(fn, args, kwargs, policy_fn, group_swap, mgr: SwapManager, tag, module):
@@ -120,7 +133,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def swap_wrapper(module: torch.nn.Module, *, policy_fn=None, group_swap: bool = False,
+def swap_wrapper(module: torch.nn.Module, policy_fn=None, *, group_swap: bool = False,
                  manager: SwapManager | None = None, tag=None) -> torch.nn.Module:
     """Make every forward of ``module`` a ``swap`` call (one swap group per call, tagged ``tag`` or the
     module's class name). Wraps in place and returns ``module``; ``unwrap`` undoes it."""
@@ -136,14 +149,16 @@ def swap_wrapper(module: torch.nn.Module, *, policy_fn=None, group_swap: bool = 
     return _wrap_forward(module, "swap", make)
 
 
-def swap_tensor_wrapper(tensor: torch.Tensor, tag, *, manager: SwapManager | None = None) -> torch.Tensor:
-    """Move ``tensor``'s storage with swap group ``tag``: the live, not yet moved group of that tag if there
-    is one (it moves and is prefetched with it), else a group of its own, placed in forward order now.
-    Returns ``tensor``. Its storage is empty while the group is on the host: do not read it until the
-    group is loaded again (its backward, a prefetch, or ``manager.ensure_loaded(tag)``)."""
+def swap_tensor_wrapper(target: torch.Tensor, tag=None, *, manager: SwapManager | None = None) -> torch.Tensor:
+    """Move ``target``'s storage with swap group ``tag``: the live, not yet moved group of that tag if there
+    is one (it moves and is prefetched with it), else a group of its own, placed in forward order now
+    (``tag=None``: a group of its own, numbered like untagged ones). Returns ``target``. Its storage is
+    empty while the group is on the host: do not read it until the group is loaded again (its backward, a
+    prefetch, ``manager.set_forward_prefetch_layer`` or ``manager.ensure_loaded(tag)``)."""
+    tensor = target
     mgr = _manager(manager)
-    group = next((g for g in reversed(mgr.groups()) if g.tag == tag and g.state.value in ("open", "closed")),
-                 None)
+    group = None if tag is None else next(
+        (g for g in reversed(mgr.groups()) if g.tag == tag and g.state.value in ("open", "closed")), None)
     if group is None:
         group = mgr.open_group(tag)
         mgr.add_tensor(group, tensor, force=True)
@@ -171,9 +186,10 @@ class _LoadBeforeRecompute:
         return self.inner.__exit__(*exc)
 
 
-def checkpoint(fn, *args, swap_inputs: bool = False, policy_fn=None, context_fn=None, group_swap: bool = False,
-               manager: SwapManager | None = None, tag=None, **kwargs):
-    """Activation checkpointing of ``fn(*args, **kwargs)`` (torch's non-reentrant checkpoint).
+def checkpoint(function, *args, swap_inputs: bool = False, policy_fn=None, context_fn=None,
+               group_swap: bool = False, early_stop: bool = True, manager: SwapManager | None = None, tag=None,
+               **kwargs):
+    """Activation checkpointing of ``function(*args, **kwargs)`` (torch's non-reentrant checkpoint).
 
     ``policy_fn(ctx, op, *op_args, **op_kwargs) -> CheckpointPolicy`` (torch's selective checkpointing
     signature; ``ctx.is_recompute``, ``ctx.op_output``): MUST/PREFER_SAVE keep the op's output,
@@ -181,11 +197,25 @@ def checkpoint(fn, *args, swap_inputs: bool = False, policy_fn=None, context_fn=
     is recomputed (full recompute). ``swap_inputs``: the region's inputs (which checkpoint keeps for the
     recompute) move to the host too. ``context_fn``: torch's, for a context of your own (not together
     with ``policy_fn`` or ``swap_inputs``). ``group_swap``: swapped tensors join the open group.
+    ``early_stop``: torch's, the recompute stops once the tensors the backward needs are back.
+    Modules wrapped by ``checkpoint_exclude_wrapper`` inside ``function`` are saved, not recomputed.
     """
+    if not isinstance(early_stop, bool):
+        raise TypeError(f"checkpoint: early_stop must be a bool, got {early_stop!r}")
+    with _early_stop(early_stop):
+        return _checkpoint_call(function, args, kwargs, swap_inputs, policy_fn, context_fn, group_swap, manager,
+                                tag)
+
+
+def _early_stop(early_stop: bool):
+    return contextlib.nullcontext() if early_stop else torch_checkpoint.set_checkpoint_early_stop(False)
+
+
+def _checkpoint_call(fn, args, kwargs, swap_inputs, policy_fn, context_fn, group_swap, manager, tag):
     if context_fn is not None and (policy_fn is not None or swap_inputs):
         raise ValueError("checkpoint: context_fn cannot be combined with policy_fn or swap_inputs (both need "
                          "the selective checkpoint context); put your policy into policy_fn")
-    if policy_fn is None and not swap_inputs:  # plain full recompute: torch's checkpoint as it is
+    if policy_fn is None and not swap_inputs and not _EXCLUDE_WRAPPED[0]:  # full recompute: torch's checkpoint
         extra = {} if context_fn is None else {"context_fn": context_fn}
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
     return _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, _manager(manager), tag, None)
@@ -242,6 +272,8 @@ def _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, mgr: SwapM
     capture = None if POLICY_SEES_OUTPUT else _OutputAfterPolicy(swap_outputs)
 
     def sac_policy(ctx, op, *op_args, **op_kwargs):
+        if _EXCLUDE.depth > 0:  # inside a checkpoint_exclude_wrapper'd module: kept, not recomputed
+            return _TORCH.MUST_SAVE
         decision = CheckpointPolicy.PREFER_RECOMPUTE if policy_fn is None else policy_fn(ctx, op, *op_args,
                                                                                          **op_kwargs)
         torch_policy, swap_output = _resolve(decision, op)
@@ -281,9 +313,9 @@ def _stacked(outer, inner):
 
 
 def _policy_from(policy):
-    """checkpoint_wrapper's ``policy``: None, a policy function, {op: CheckpointPolicy}, or ops to save."""
-    if policy is None or callable(policy):
-        return policy
+    """checkpoint_wrapper's ``policy``: None or "full", a policy function, {op: CheckpointPolicy}, or ops to save."""
+    if policy is None or policy == "full" or callable(policy):
+        return None if policy == "full" else policy
     if isinstance(policy, dict):
         table = dict(policy)
         return lambda ctx, op, *a, **k: table.get(op, table.get(getattr(op, "overloadpacket", None),
@@ -292,24 +324,71 @@ def _policy_from(policy):
         saved = set(policy)
         return lambda ctx, op, *a, **k: (CheckpointPolicy.MUST_SAVE if op in saved or getattr(
             op, "overloadpacket", None) in saved else CheckpointPolicy.PREFER_RECOMPUTE)
-    raise TypeError(f"checkpoint_wrapper: policy must be None, a policy function, a dict of op -> "
-                    f"CheckpointPolicy or a collection of ops to save; got {type(policy).__name__}")
+    raise TypeError(f"checkpoint_wrapper: policy must be None, 'full', a policy function, a dict of op -> "
+                    f"CheckpointPolicy or a collection of ops to save; got {policy!r}")
 
 
-def checkpoint_wrapper(module: torch.nn.Module, policy=None, *, swap_inputs: bool = False,
-                       group_swap: bool = False, manager: SwapManager | None = None, tag=None) -> torch.nn.Module:
-    """Make every forward of ``module`` a ``checkpoint`` call. ``policy``: None (full recompute), a policy
+_CHECKPOINT_KWARGS = ("swap_inputs", "policy_fn", "context_fn", "group_swap", "early_stop", "manager", "tag")
+
+
+def checkpoint_wrapper(module: torch.nn.Module, policy=None, **checkpoint_kwargs) -> torch.nn.Module:
+    """Make every forward of ``module`` a ``checkpoint`` call with ``checkpoint_kwargs`` (``swap_inputs``,
+    ``policy_fn``, ``context_fn``, ``group_swap``, ``early_stop``, ``manager``, ``tag``). ``policy`` (this
+    package's shorthand, not together with ``policy_fn``): None or "full" (full recompute), a policy
     function, ``{op: CheckpointPolicy}`` (others recomputed) or a collection of ops to save. Wraps in place
     and returns ``module``; ``unwrap`` undoes it."""
-    policy_fn = _policy_from(policy)
-    label = tag if tag is not None else type(module).__name__
+    unknown = sorted(set(checkpoint_kwargs) - set(_CHECKPOINT_KWARGS))
+    if unknown:
+        raise TypeError(f"checkpoint_wrapper: unknown keyword(s) {unknown}; accepted: policy, "
+                        f"{', '.join(_CHECKPOINT_KWARGS)}")
+    if policy is not None and checkpoint_kwargs.get("policy_fn") is not None:
+        raise TypeError("checkpoint_wrapper: give policy or policy_fn, not both")
+    kw = dict(checkpoint_kwargs)
+    policy_fn = _policy_from(policy if policy is not None else kw.pop("policy_fn", None))
+    kw.pop("policy_fn", None)
+    if kw.get("tag") is None:
+        kw["tag"] = type(module).__name__
+    swap_inputs, group_swap = kw.pop("swap_inputs", False), kw.pop("group_swap", False)
+    manager, label = kw.pop("manager", None), kw.pop("tag")
 
     def make(original):
         def forward(*args, **kwargs):
-            if policy_fn is None and not swap_inputs:
-                return checkpoint(original, *args, **kwargs)
-            return _checkpoint(original, args, kwargs, swap_inputs, policy_fn, group_swap, _manager(manager), label,
-                               module)
+            if kw.get("context_fn") is not None or (policy_fn is None and not swap_inputs):
+                return checkpoint(original, *args, policy_fn=policy_fn, swap_inputs=swap_inputs,
+                                  group_swap=group_swap, manager=manager, tag=label, **kw, **kwargs)
+            with _early_stop(kw.get("early_stop", True)):
+                return _checkpoint(original, args, kwargs, swap_inputs, policy_fn, group_swap, _manager(manager),
+                                   label, module)
         return forward
 
     return _wrap_forward(module, "checkpoint", make)
+
+
+class _ExcludeState(threading.local):
+    depth = 0      # checkpoint_exclude_wrapper forwards running on this thread
+
+
+_EXCLUDE = _ExcludeState()
+_EXCLUDE_WRAPPED = [0]  # modules ever wrapped: from then on checkpoint takes the selective path to see them
+
+
+def checkpoint_exclude_wrapper(module: torch.nn.Module, *, save_output: bool = True) -> torch.nn.Module:
+    """Exclude ``module`` from an enclosing ``checkpoint`` / ``checkpoint_wrapper``: the ops of its forward
+    keep their outputs (torch's MUST_SAVE) and are not recomputed in backward; the rest of the region is.
+    Outside a checkpoint it changes nothing. ``save_output=False`` (HyperParallel's: the module's own output
+    recomputed) is not served here: the region's ops cannot tell the module's last output from the others."""
+    if save_output is not True:
+        raise ValueError("checkpoint_exclude_wrapper: save_output=False is not served (only True: the module's "
+                         "ops, its output included, are saved)")
+    _EXCLUDE_WRAPPED[0] += 1
+
+    def make(original):
+        def forward(*args, **kwargs):
+            _EXCLUDE.depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _EXCLUDE.depth -= 1
+        return forward
+
+    return _wrap_forward(module, "checkpoint_exclude", make)

@@ -194,6 +194,7 @@ class SwapManager:
         self.loaded_bytes = 0                  # cumulative bytes copied host -> device
         self._device_bytes = 0                 # saved-activation bytes the engine holds on the device
         self.peak_device_bytes = 0
+        self._forward_prefetch: dict = {}      # tag -> tag loaded when the first one's group opens
 
     # ---------------------------------------------------------------- groups and saved-tensor hooks
     @property
@@ -221,6 +222,7 @@ class SwapManager:
         for g in self._chain:  # deferred offload: the previous group moves while this one computes
             if g.state is GroupState.CLOSED:
                 self.launch_offload(g)
+        self._prefetch_for_forward(tag)
         g = SwapGroup(self, next(self._counter) if tag is None else tag, len(self._live))
         if module is not None:
             g.param_ptrs = frozenset(_storage_ptrs(module))
@@ -229,6 +231,26 @@ class SwapManager:
         self._live.append(g)
         self._open.append(g)
         return g
+
+    def set_forward_prefetch_layer(self, first_layer, second_layer) -> None:
+        """When a group tagged ``first_layer`` opens (its forward starts), load the live group tagged
+        ``second_layer`` if it is on the host, so that it is back on the device by the time the forward
+        reaches it (for tensors swapped out by ``swap_tensor_wrapper`` and read again in a later forward).
+        ``second_layer=None`` removes the pair."""
+        if second_layer is None:
+            self._forward_prefetch.pop(first_layer, None)
+        else:
+            self._forward_prefetch[first_layer] = second_layer
+
+    def _prefetch_for_forward(self, tag) -> None:
+        target = self._forward_prefetch.get(tag) if tag is not None else None
+        if target is None:
+            return
+        for g in reversed(self._live):
+            if g.tag == target:
+                if g.state in _ON_HOST:
+                    self.launch_load(g)
+                return
 
     def close_group(self, g: SwapGroup, outputs=None) -> None:
         """End ``g``'s forward. Storages that alias ``outputs`` leave its resize entries: the next layer
@@ -338,9 +360,10 @@ class SwapManager:
                 return g
         raise SwapError(f"no live swap group with tag {group_or_tag!r}")
 
-    def launch_offload(self, group_or_tag) -> SwapGroup:
-        """Start copying the group's storages to host buffers on the copy stream."""
-        g = self._find(group_or_tag)
+    def launch_offload(self, group_name, copy_stream=None) -> SwapGroup:
+        """Start copying the group (a ``SwapGroup`` or its tag) to host buffers on ``copy_stream`` (default:
+        the platform's copy stream)."""
+        g = self._find(group_name)
         if g.state is GroupState.OPEN:
             raise SwapError(f"launch_offload({g.tag!r}): the group is still open (its forward is running)")
         if g.state is not GroupState.CLOSED:
@@ -356,7 +379,7 @@ class SwapManager:
         if not entries:
             g.state = GroupState.OFFLOADED
             return g
-        stream = platform.copy_stream(self.device_type)
+        stream = copy_stream if copy_stream is not None else platform.copy_stream(self.device_type)
         stream.wait_stream(platform.current_stream(self.device_type))  # the tensors are written
         with platform.use_stream(stream):
             for e in entries:
@@ -370,8 +393,8 @@ class SwapManager:
             self._finish_offload(g)
         return g
 
-    def wait_offload(self, group_or_tag) -> SwapGroup:
-        g = self._find(group_or_tag)
+    def wait_offload(self, group_name) -> SwapGroup:
+        g = self._find(group_name)
         if g.state is GroupState.OFFLOADING:
             self._finish_offload(g)
         elif g.state is not GroupState.OFFLOADED:
@@ -406,9 +429,10 @@ class SwapManager:
         g.state = GroupState.LOADED
         self.trace.append(("offload_cancelled", g.tag))
 
-    def launch_load(self, group_or_tag) -> SwapGroup:
-        """Start copying the group back to the device on the copy stream (a no-op unless it is on host)."""
-        g = self._find(group_or_tag)
+    def launch_load(self, group_name, copy_stream=None) -> SwapGroup:
+        """Start copying the group back to the device on ``copy_stream`` (default: the platform's copy
+        stream); a no-op unless it is on the host."""
+        g = self._find(group_name)
         if g.state is GroupState.OFFLOADING:
             self._cancel_offload(g)
             return g
@@ -421,7 +445,7 @@ class SwapManager:
                 e.storage.resize_(e.nbytes)
             else:
                 e.loaded = torch.empty(e.nbytes, dtype=torch.uint8, device=e.device)
-        stream = platform.copy_stream(self.device_type)
+        stream = copy_stream if copy_stream is not None else platform.copy_stream(self.device_type)
         stream.wait_stream(platform.current_stream(self.device_type))
         with platform.use_stream(stream):
             for e in entries:
@@ -436,8 +460,8 @@ class SwapManager:
         self.trace.append(("load", g.tag))
         return g
 
-    def wait_load(self, group_or_tag) -> SwapGroup:
-        g = self._find(group_or_tag)
+    def wait_load(self, group_name) -> SwapGroup:
+        g = self._find(group_name)
         if g.state is GroupState.LOADED:
             return g
         if g.state is not GroupState.LOADING:

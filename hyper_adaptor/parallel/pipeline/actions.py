@@ -21,15 +21,29 @@ import enum
 
 
 class MetaStepType(enum.Enum):
-    FWD = "F"             # forward of one micro-batch through one stage
-    BWD = "B"             # full backward: input and weight gradients
+    # HyperParallel's member names first (canonical); our earlier spellings follow as enum aliases of the
+    # same members. The values are this package's schedule notation ("F0s1", "SF0s1" in timelines, error
+    # messages and the validator's keys), kept where HyperParallel spells the communication steps
+    # "FS"/"FR"/"BS"/"BR" and the overlapped pair "OFB".
+    FORWARD = "F"         # forward of one micro-batch through one stage
+    BACKWARD = "B"        # full backward: input and weight gradients
     BWD_INPUT = "I"       # input gradient only; the weight gradient waits for a BWD_WEIGHT (zero bubble)
     BWD_WEIGHT = "W"      # the deferred weight gradient of an earlier BWD_INPUT
-    FWD_BWD = "FB"        # an overlapped pair: this step's forward with ``pair``'s backward
-    SEND_F = "SF"         # activation to the next stage
-    RECV_F = "RF"         # activation from the previous stage
-    SEND_B = "SB"         # input gradient to the previous stage
-    RECV_B = "RB"         # output gradient from the next stage
+    OVERLAP_F_B = "FB"    # an overlapped pair: this step's forward with ``pair``'s backward
+    FWD_SEND = "SF"       # activation to the next stage
+    FWD_RECV = "RF"       # activation from the previous stage
+    BWD_SEND = "SB"       # input gradient to the previous stage
+    BWD_RECV = "RB"       # output gradient from the next stage
+    # Aliases. OVERLAP_B_F: the runtime runs an overlapped pair's two halves together, so which one is
+    # issued first is not a separate step type here; it names the same member as OVERLAP_F_B.
+    OVERLAP_B_F = "FB"
+    FWD = "F"
+    BWD = "B"
+    FWD_BWD = "FB"
+    SEND_F = "SF"
+    RECV_F = "RF"
+    SEND_B = "SB"
+    RECV_B = "RB"
 
     @property
     def is_comm(self) -> bool:
