@@ -244,3 +244,13 @@ def host_buffer(nbytes: int, pin: bool | None = None) -> torch.Tensor:
     """A flat uint8 host tensor of ``nbytes`` bytes, page-locked where that helps."""
     pin = pin_memory_available() if pin is None else pin
     return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+
+
+def get_platform():
+    """HyperParallel's ``get_platform()``: the platform of this process's device. Here that is this module:
+    one set of functions (``device_type()``, ``distributed_backend()``, ``current_device()``, streams,
+    events, memory figures) that answer for the selected device type (npu, cuda or cpu), rather than one
+    class per device, so the returned object is the same whichever device was detected."""
+    import sys
+
+    return sys.modules[__name__]

@@ -175,9 +175,10 @@ class PipelineSchedule:
             losses.extend(last.losses[i] for i in range(m))
         return torch.cat([last.outputs[i] for i in range(m)], dim=0)
 
-    def run(self, *inputs):
-        """``step`` without a target: for a ``loss_fn(output)``, or a forward-only schedule."""
-        return self.step(*inputs)
+    def run(self, *inputs, target=None, losses: list | None = None):
+        """HyperParallel's entry: ``step`` under its name. Returns the last stage's outputs (concatenated over
+        the micro-batches) on the rank holding it, None elsewhere."""
+        return self.step(*inputs, target=target, losses=losses)
 
 
 class _Named(PipelineSchedule):
