@@ -12,8 +12,20 @@ class ChainedOptimizer:
     that writes ``group["lr"]`` reaches every member.
     """
 
-    def __init__(self, optimizers):
-        self.optimizers = list(optimizers)
+    def __init__(self, model, optimizers=None, flatten: bool = False):
+        # HyperParallel's form is (model, {name: optimizer}); this package's earlier one is (optimizers,), a
+        # list, with no model. Both are served: a first argument that is not a Module is the list.
+        if optimizers is None and not isinstance(model, torch.nn.Module):
+            model, optimizers = None, model
+        if flatten:
+            raise ValueError("ChainedOptimizer: flatten=True (one flat buffer for all parameters) is not served; "
+                             "HSDP (hyper_adaptor.parallel.hsdp) already keeps the parameters in flat buckets")
+        self.model = model
+        if isinstance(optimizers, dict):
+            self.named_optimizers = dict(optimizers)
+        else:
+            self.named_optimizers = {str(i): opt for i, opt in enumerate(optimizers or ())}
+        self.optimizers = list(self.named_optimizers.values())
         if not self.optimizers:
             raise ValueError("ChainedOptimizer needs at least one optimizer")
         for opt in self.optimizers:
@@ -21,6 +33,9 @@ class ChainedOptimizer:
                 raise TypeError(f"ChainedOptimizer takes torch.optim.Optimizer instances, got {type(opt).__name__}")
         # LambdaLR stores initial_lr in the groups and reads .defaults nowhere, but some tools read it.
         self.defaults = {}
+
+    def __iter__(self):
+        return iter(self.optimizers)
 
     @property
     def param_groups(self):

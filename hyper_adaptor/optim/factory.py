@@ -44,7 +44,8 @@ def split_params(model: nn.Module, muon_filter=None, exclude=None):
     return muon, adamw
 
 
-def get_hyper_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, muon_lr: float | None = None,
+def get_hyper_optimizer(model: nn.Module, muon_params=None, adamw_params=None, muon_kwargs=None, adamw_kwargs=None,
+                        *, lr: float | None = None, weight_decay: float = 0.0, muon_lr: float | None = None,
                         optimizer: str = "muon", momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                         adjust_lr: str = "original", betas=(0.9, 0.999), adam_eps: float = 1e-8,
                         num_heads: int | None = None, num_query_groups: int | None = None,
@@ -60,8 +61,16 @@ def get_hyper_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, 
 
     AdamW decays ``weight_decay`` on its 2-D and larger parameters and not on 1-D ones (norms, biases).
 
+    HyperParallel's form, ``get_hyper_optimizer(model, muon_params, adamw_params, muon_kwargs, adamw_kwargs)``:
+    the two parameter lists (parameters, or names in ``model.named_parameters()``) given, ``Muon(muon_params,
+    **muon_kwargs)`` and ``AdamW(adamw_params, **adamw_kwargs)`` with their own defaults.
+
     Returns a ``ChainedOptimizer(Muon, AdamW)``; when one side has no parameters, the other optimizer alone.
     """
+    if muon_params is not None or adamw_params is not None:
+        return _from_lists(model, muon_params, adamw_params, muon_kwargs, adamw_kwargs)
+    if lr is None:
+        raise TypeError("get_hyper_optimizer: give muon_params / adamw_params (HyperParallel's form) or lr=")
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer must be 'muon' or 'adamw', got {optimizer!r}")
     if num_query_groups is not None and num_heads is None:
@@ -93,3 +102,27 @@ def get_hyper_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.0, 
         groups = [g for g in ({"params": decayed}, {"params": undecayed, "weight_decay": 0.0}) if g["params"]]
         optimizers.append(torch.optim.AdamW(groups, lr=lr, betas=betas, eps=adam_eps, weight_decay=weight_decay))
     return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
+
+
+def _from_lists(model, muon_params, adamw_params, muon_kwargs, adamw_kwargs):
+    named = dict(model.named_parameters())
+
+    def resolve(params, what):
+        out = []
+        for p in params or ():
+            if isinstance(p, str):
+                if p not in named:
+                    raise ValueError(f"get_hyper_optimizer: {what} names {p!r}, not a parameter of the model")
+                p = named[p]
+            out.append(p)
+        return out
+
+    muon, adamw = resolve(muon_params, "muon_params"), resolve(adamw_params, "adamw_params")
+    if not muon and not adamw:
+        raise ValueError("get_hyper_optimizer: muon_params and adamw_params are both empty")
+    optimizers = {}
+    if muon:
+        optimizers["muon"] = Muon(muon, **(muon_kwargs or {}))
+    if adamw:
+        optimizers["adamw"] = torch.optim.AdamW(adamw, **(adamw_kwargs or {}))
+    return ChainedOptimizer(model, optimizers)

@@ -152,11 +152,12 @@ class Muon(torch.optim.Optimizer):
     ``adjust_lr``: ``"original"`` scales lr by ``sqrt(max(1, A/B))``; ``"match_rms_adamw"`` by
     ``0.2 * sqrt(max(A, B))`` so AdamW's lr and weight decay carry over. A group may set ``row_blocks`` (int):
     the matrix's rows are split into that many equal blocks, each orthogonalised and lr-adjusted as its own
-    matrix (a fused QKV weight, one block per head).
+    matrix (a fused QKV weight, one block per head). Defaults (``lr=0.02``, ``weight_decay=0.1``) are
+    HyperParallel's.
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.0, ns_steps: int = 5, adjust_lr: str = "original", eps: float = 1e-7):
+    def __init__(self, params, lr: float = 0.02, momentum: float = 0.95, nesterov: bool = True,
+                 weight_decay: float = 0.1, ns_steps: int = 5, adjust_lr: str = "original", eps: float = 1e-7):
         if not lr >= 0.0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0:

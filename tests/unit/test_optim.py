@@ -330,3 +330,20 @@ def test_split_hooks_and_bad_input():
         ChainedOptimizer([{}])
     with pytest.raises(ValueError, match="at least one"):
         ChainedOptimizer([])
+
+
+def test_hyperparallel_forms_of_the_optimizer_api():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    opt = get_hyper_optimizer(model, ["0.weight"], [model[0].bias, *model[1].parameters()],
+                              muon_kwargs={"lr": 0.01}, adamw_kwargs={"lr": 1e-3})
+    assert isinstance(opt, ChainedOptimizer) and opt.model is model
+    assert [type(o).__name__ for o in opt] == ["Muon", "AdamW"]
+    assert set(opt.named_optimizers) == {"muon", "adamw"}
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="nope"):
+        get_hyper_optimizer(model, ["nope"], [])
+    with pytest.raises(ValueError, match="flatten"):
+        ChainedOptimizer(model, {"a": torch.optim.SGD(model.parameters(), lr=0.1)}, flatten=True)
+    assert Muon([nn.Parameter(torch.zeros(2, 2))]).defaults["weight_decay"] == 0.1
