@@ -84,6 +84,11 @@ class MetaStep:
 
     __repr__ = __str__
 
+    @property
+    def sub_steps(self) -> tuple[MetaStep, ...]:
+        """HyperParallel's name: an overlapped step's two compute steps (forward, backward); () otherwise."""
+        return self.halves() if self.pair is not None else ()
+
     def halves(self) -> tuple[MetaStep, ...]:
         """The compute steps this action runs: itself, or for FWD_BWD its forward then its backward."""
         if self.pair is None:
