@@ -215,7 +215,8 @@ def _checkpoint_call(fn, args, kwargs, swap_inputs, policy_fn, context_fn, group
     if context_fn is not None and (policy_fn is not None or swap_inputs):
         raise ValueError("checkpoint: context_fn cannot be combined with policy_fn or swap_inputs (both need "
                          "the selective checkpoint context); put your policy into policy_fn")
-    if policy_fn is None and not swap_inputs and not _EXCLUDE_WRAPPED[0]:  # full recompute: torch's checkpoint
+    # full recompute, or a context of the caller's own (checkpoint_exclude_wrapper does not reach into it)
+    if context_fn is not None or (policy_fn is None and not swap_inputs and not _EXCLUDE_WRAPPED[0]):
         extra = {} if context_fn is None else {"context_fn": context_fn}
         return torch_checkpoint.checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
     return _checkpoint(fn, args, kwargs, swap_inputs, policy_fn, group_swap, _manager(manager), tag, None)
