@@ -13,9 +13,9 @@ Streams, events and host buffers come from ``hyper_adaptor.platform``.
 
 from hyper_adaptor.memory._pool import SwapBufferPool
 from hyper_adaptor.memory.api import (
-                                      checkpoint_exclude_wrapper,
                                       CheckpointPolicy,
                                       checkpoint,
+                                      checkpoint_exclude_wrapper,
                                       checkpoint_wrapper,
                                       swap,
                                       swap_tensor_wrapper,
@@ -33,5 +33,5 @@ from hyper_adaptor.memory.swap_manager import (
 )
 
 __all__ = ["CheckpointPolicy", "GroupState", "OffloadOptimizer", "SwapBufferPool", "SwapError", "SwapGroup",
-           "SwapManager", "checkpoint", "checkpoint_exclude_wrapper", "checkpoint_wrapper", "default_swap_manager", "set_default_swap_manager",
-           "swap", "swap_tensor_wrapper", "swap_wrapper", "unwrap"]
+           "SwapManager", "checkpoint", "checkpoint_exclude_wrapper", "checkpoint_wrapper", "default_swap_manager",
+           "set_default_swap_manager", "swap", "swap_tensor_wrapper", "swap_wrapper", "unwrap"]

@@ -36,7 +36,7 @@ class Ref:
     why: str = ""
 
 
-P, M, O, PIPE = "hyper_adaptor.parallel", "hyper_adaptor.memory", "hyper_adaptor.optim", "hyper_adaptor.parallel"
+P, M, OPT, PIPE = "hyper_adaptor.parallel", "hyper_adaptor.memory", "hyper_adaptor.optim", "hyper_adaptor.parallel"
 
 SERVED = [
     # ---- HSDP
@@ -120,13 +120,13 @@ SERVED = [
         "launch_load": (("group_name", POS, REQUIRED), ("copy_stream", POS, None)),
         "wait_load": (("group_name", POS, REQUIRED),)}),
     # ---- optimizers
-    Ref("AdamW", O, (("params", POS, REQUIRED), ("lr", POS, 1e-3), ("betas", POS, (0.9, 0.999)), ("eps", POS, 1e-8),
+    Ref("AdamW", OPT, (("params", POS, REQUIRED), ("lr", POS, 1e-3), ("betas", POS, (0.9, 0.999)), ("eps", POS, 1e-8),
                      ("weight_decay", POS, 1e-2))),
-    Ref("Muon", O, (("params", POS, REQUIRED), ("lr", POS, 0.02), ("momentum", POS, 0.95), ("ns_steps", KW, 5),
+    Ref("Muon", OPT, (("params", POS, REQUIRED), ("lr", POS, 0.02), ("momentum", POS, 0.95), ("ns_steps", KW, 5),
                     ("nesterov", KW, True), ("weight_decay", KW, 0.1))),
-    Ref("ChainedOptimizer", O, (("model", POS, REQUIRED), ("optimizers", POS, ANY), ("flatten", POS, False)),
+    Ref("ChainedOptimizer", OPT, (("model", POS, REQUIRED), ("optimizers", POS, ANY), ("flatten", POS, False)),
         methods={"step": (), "zero_grad": (("set_to_none", POS, True),), "__iter__": ()}),
-    Ref("get_hyper_optimizer", O, (("model", POS, REQUIRED), ("muon_params", POS, ANY), ("adamw_params", POS, ANY),
+    Ref("get_hyper_optimizer", OPT, (("model", POS, REQUIRED), ("muon_params", POS, ANY), ("adamw_params", POS, ANY),
                                    ("muon_kwargs", POS, None), ("adamw_kwargs", POS, None))),
 ]
 
