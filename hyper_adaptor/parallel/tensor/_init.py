@@ -72,7 +72,8 @@ def init_parameters(model: nn.Module, seed: int | None = None) -> nn.Module:
     """
     if seed is not None:
         torch.manual_seed(seed)
-    done: dict[int, nn.Parameter] = {}
+    # old parameter kept alive next to its replacement: a freed one's id could be reused by a new tensor
+    done: dict[int, tuple] = {}
     for mod_name, module in model.named_modules():
         own = {n: p for n, p in module._parameters.items() if p is not None}
         todo = {n: p for n, p in own.items() if _is_meta(p) and id(p) not in done}
@@ -83,8 +84,9 @@ def init_parameters(model: nn.Module, seed: int | None = None) -> nn.Module:
             raise ValueError(f"init_parameters: parameter {name!r} is on the meta device and its module "
                              f"{type(module).__name__} has no reset_parameters() to initialise it")
         stand_in = copy.copy(module)
-        stand_in._parameters = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-                                for n, p in own.items()}
+        stand_in._parameters = {n: None if p is None else
+                                nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+                                for n, p in module._parameters.items()}
         with torch.no_grad():
             stand_in.reset_parameters()
         for n, p in todo.items():
@@ -95,13 +97,13 @@ def init_parameters(model: nn.Module, seed: int | None = None) -> nn.Module:
             else:
                 value = full
             new = nn.Parameter(value, requires_grad=p.requires_grad)
-            done[id(p)] = new
+            done[id(p)] = (p, new)
             module._parameters[n] = new
         del stand_in
     for module in model.modules():  # tied parameters seen a second time
         for n, p in list(module._parameters.items()):
-            if p is not None and id(p) in done:
-                module._parameters[n] = done[id(p)]
+            if p is not None and id(p) in done and done[id(p)][0] is p:
+                module._parameters[n] = done[id(p)][1]
     return model
 
 
