@@ -88,11 +88,11 @@ def full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def train(model, steps: int = STEPS) -> dict:
+def train(model, steps: int = STEPS, mesh=None) -> dict:
     from hyper_adaptor.parallel.tensor import manual_seed
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    manual_seed(SEED)
+    manual_seed(SEED, mesh)
     losses, grads = [], []
     model.train()
     for step in range(steps):
@@ -158,7 +158,7 @@ def tp_parity(mesh) -> dict:
     out = {}
     for name, sp in (("tp2", False), ("tp2-sp", True)):
         model = parallelize_module(make_model(), mesh, tp_plan(sp))
-        got = train(model)
+        got = train(model, mesh=mesh)
         out[name] = {"bad": compare(ref, got), "all_dtensor": all(isinstance(p, DTensor) for p in model.parameters())}
     # the same masks are really in use: without dropout the losses differ from the reference's
     ref_nodrop = train_no_dropout()

@@ -113,6 +113,15 @@ def test_init_parameters_equals_plain_init(world1):
     assert mesh.ndim == 1
 
 
+def test_init_on_device_moves_buffers_too():
+    with T.init_on_device("meta"):
+        m = Net()
+    assert m.table.is_meta and m.fc.weight.is_meta
+    with T.init_empty_weights(include_buffers=True):
+        assert Net().table.is_meta
+    assert not Net().fc.weight.is_meta  # the patch ends with the block
+
+
 def test_init_parameters_refuses_unknown_init():
     class Raw(nn.Module):
         def __init__(self):
