@@ -109,8 +109,14 @@ def train(model, steps: int = STEPS, mesh=None) -> dict:
 
 
 def tp_plan(sp: bool) -> dict:
-    from hyper_adaptor.parallel.tensor import (ColwiseParallel, NoParallel, Replicate, RowwiseParallel,
-                                               SequenceParallel, Shard)
+    from hyper_adaptor.parallel.tensor import (
+        ColwiseParallel,
+        NoParallel,
+        Replicate,
+        RowwiseParallel,
+        SequenceParallel,
+        Shard,
+    )
 
     if not sp:
         return {"emb": RowwiseParallel(input_layouts=Replicate()),
@@ -197,9 +203,18 @@ def naive_dropout_differs(mesh) -> bool:
 
 
 def layout_and_init(rank: int) -> dict:
-    from hyper_adaptor.parallel.tensor import (DTensor, Layout, distribute_tensor, get_current_mesh,
-                                               init_empty_weights, init_parameters, shard_module)
-    from hyper_adaptor.parallel.tensor import from_local, is_partial, reduce_partial
+    from hyper_adaptor.parallel.tensor import (
+        DTensor,
+        Layout,
+        distribute_tensor,
+        from_local,
+        get_current_mesh,
+        init_empty_weights,
+        init_parameters,
+        is_partial,
+        reduce_partial,
+        shard_module,
+    )
 
     out = {}
     layout = Layout((2,), ("tp",))
@@ -237,7 +252,8 @@ def plan_checks(mesh) -> dict:
     out = {}
     model = parallelize_module(make_model(), mesh, {"layers.*.mlp.fc[12]": ColwiseParallel()})
     out["glob"] = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor))
-    for key, call in (("bad_key", lambda: parallelize_module(make_model(), mesh, {"layers.*.mlp.fc3": ColwiseParallel()})),
+    for key, call in (("bad_key", lambda: parallelize_module(make_model(), mesh,
+                                                             {"layers.*.mlp.fc3": ColwiseParallel()})),
                       ("bad_mesh", lambda: parallelize_module(make_model(), init_device_mesh("cpu", (2, 1), ("a", "b")),
                                                               {"head": ColwiseParallel()}))):
         try:

@@ -71,7 +71,7 @@ def test_divisibility_names_axis_and_dim():
 
 def test_world_size_mismatch_is_an_error(world1):
     with pytest.raises(ValueError, match=r"holds 4 devices but the world has 1"):
-        T.Layout((2, 2), ("dp", "tp"))("dp", "None").mesh
+        _ = T.Layout((2, 2), ("dp", "tp"))("dp", "None").mesh
 
 
 def test_mesh_current_and_axis_size(world1):
@@ -132,6 +132,18 @@ def test_init_parameters_refuses_unknown_init():
         m = nn.Sequential(Raw())
     with pytest.raises(ValueError, match="'0.w'.*no reset_parameters"):
         T.init_parameters(m)
+
+
+def test_shard_module_keeps_tied_parameters_tied(world1):
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(4, 2)
+            self.head = nn.Linear(2, 4, bias=False)
+            self.head.weight = self.emb.weight
+
+    m = T.shard_module(Tied(), {"emb.weight": T.Layout((1,), ("tp",), rank_list=[0])("tp", "None")})
+    assert isinstance(m.head.weight, T.DTensor) and m.head.weight is m.emb.weight
 
 
 def test_shard_module_pattern_must_match(world1):

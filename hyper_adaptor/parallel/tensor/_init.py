@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hyper_adaptor.parallel.tensor._layout import TensorLayout
 from hyper_adaptor.parallel.tensor._dtensor import distribute_tensor
+from hyper_adaptor.parallel.tensor._layout import TensorLayout
 
 
 @contextlib.contextmanager
@@ -129,16 +129,16 @@ def shard_module(module: nn.Module, plan: dict) -> nn.Module:
         return module
     mesh = next(iter(chosen.values())).mesh
     replicate = [Replicate()] * mesh.ndim
-    for name in names:
-        owner_name, _, leaf = name.rpartition(".")
-        owner = module.get_submodule(owner_name) if owner_name else module
-        param = owner._parameters[leaf]
-        if isinstance(param, DTensor):
-            continue
-        layout = chosen.get(name)
-        if layout is not None:
-            value = distribute_tensor(param.detach(), layout)
-        else:
-            value = distribute_tensor(param.detach(), mesh, replicate)
-        owner._parameters[leaf] = nn.Parameter(value, requires_grad=param.requires_grad)
+    by_id = {id(p): n for n, p in module.named_parameters()}  # a tied parameter under its first name
+    placed: dict[int, tuple] = {}
+    for owner in module.modules():
+        for leaf, param in list(owner._parameters.items()):
+            if param is None or isinstance(param, DTensor) or id(param) not in by_id:
+                continue
+            if id(param) not in placed:
+                layout = chosen.get(by_id[id(param)])
+                value = (distribute_tensor(param.detach(), layout) if layout is not None
+                         else distribute_tensor(param.detach(), mesh, replicate))
+                placed[id(param)] = (param, nn.Parameter(value, requires_grad=param.requires_grad))
+            owner._parameters[leaf] = placed[id(param)][1]
     return module

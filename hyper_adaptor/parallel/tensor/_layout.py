@@ -120,4 +120,7 @@ def resolve(layout_or_mesh, placements=None, shape=None):
         return layout_or_mesh.mesh, layout_or_mesh.placements
     if isinstance(layout_or_mesh, Layout):
         raise TypeError("a Layout names the mesh only; call it with the tensor's axes, e.g. layout('dp', 'None')")
+    if layout_or_mesh is None:
+        # torch would fall back to its own mesh context stack, which our init_device_mesh does not fill
+        layout_or_mesh = _mesh.get_current_mesh()
     return layout_or_mesh, placements

@@ -8,9 +8,15 @@ import fnmatch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput
-from torch.distributed.tensor.parallel import PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel
-from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 from torch.distributed.tensor.parallel import parallelize_module as _torch_parallelize_module
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput",
