@@ -42,8 +42,11 @@ def init_on_device(device, include_buffers: bool = True):
 
 
 def init_empty_weights(include_buffers: bool = False):
-    """Modules created inside hold parameters on the meta device (no memory); buffers stay real unless
-    ``include_buffers``. Materialise them later with ``init_parameters``."""
+    """Modules created inside hold parameters on the meta device; buffers stay real unless
+    ``include_buffers``. Without ``include_buffers`` each parameter exists for a moment on its
+    original device before it is moved (the peak is one parameter); with it nothing is allocated.
+    The parameter-only variant patches ``nn.Module.register_parameter`` for the block's duration, so
+    do not build modules on other threads meanwhile. Materialise with ``init_parameters``."""
     return init_on_device("meta", include_buffers=include_buffers)
 
 
