@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-algo", default="ring", help="ring | ulysses | allgather")
     p.add_argument("--memory", default="none", help="none | checkpoint | swap (per layer)")
     p.add_argument("--schedule", default="1f1b", help="gpipe | 1f1b | zbh1 | interleaved | zbv")
-    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--micro-batches", type=int, default=2, help="per step, with --pp > 1")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=16)
@@ -171,9 +171,7 @@ def main(argv=None) -> None:
     backend = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}.get(args.device)
     if backend is None:
         parser.error(f"--device must be cpu, cuda or npu; got {args.device!r}")
-    if "RANK" not in os.environ:
-        parser.error("run under torchrun (e.g. torchrun --nproc-per-node 4 examples/llama/train.py ...)")
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     fixed = args.pp * args.cp * args.tp
     dp = args.dp if args.dp is not None else max(1, world // fixed)
     cfg = ParallelConfig(pp=args.pp, dp=dp, cp=args.cp, tp=args.tp, dp_shard=args.dp_shard,
@@ -185,11 +183,16 @@ def main(argv=None) -> None:
                                 n_kv_heads=args.kv_heads, ffn_hidden=args.ffn_hidden, dropout=args.dropout,
                                 tie_embeddings=args.tie_embeddings)
         cfg.validate(world, model_cfg)
-        if args.batch % (dp * args.micro_batches) or args.seq % args.cp:
-            raise ValueError(f"--batch {args.batch} must be a multiple of dp {dp} x --micro-batches "
-                             f"{args.micro_batches}, and --seq {args.seq} of --cp {args.cp}")
+        micro = args.micro_batches if args.pp > 1 else 1
+        if args.batch % (dp * micro):
+            raise ValueError(f"--batch {args.batch} must be a multiple of dp {dp}"
+                             + (f" x --micro-batches {micro}" if micro > 1 else ""))
+        if args.seq % args.cp:
+            raise ValueError(f"--seq {args.seq} must be a multiple of --cp {args.cp}")
     except ValueError as e:
         parser.error(str(e))
+    if "RANK" not in os.environ:
+        parser.error("run under torchrun (e.g. torchrun --nproc-per-node 4 examples/llama/train.py ...)")
     if args.device != "cpu":
         getattr(torch, args.device).set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)

@@ -152,7 +152,43 @@ def compositions(rank: int, world_size: int) -> dict:
         _setup(pp=2, tp=2, schedule="interleaved", model=deep), reference(deep))
     out.update(fully_shard_meshes(ref))
     out.update(checkpoint_reshard(ref))
+    out["refusals"] = refusals()
     return out
+
+
+def refusals() -> dict:
+    """Bad meshes and groups: the ValueError's message (None: nothing was raised)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from hyper_adaptor.parallel.hsdp import fully_shard, hsdp
+
+    example = _example()
+    world = example.build_mesh(example.ParallelConfig(tp=2, dp=2))
+
+    def message(fn):
+        try:
+            fn()
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def tp_model():
+        return sys.modules["parallelize"].apply_tp(build_llama(LlamaConfig()), world["tp"])
+
+    def two_d_param():
+        layer = torch.nn.Linear(4, 4)
+        layer.weight = torch.nn.Parameter(distribute_tensor(layer.weight.detach(), world["dp", "tp"],
+                                                            [Replicate(), Shard(0)]))
+        fully_shard(layer, world["dp"])
+
+    three_d = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "b", "c"))
+    return {
+        "dp-overlaps-tp": message(lambda: hsdp(tp_model(), group=dist.group.WORLD)),
+        "tp-on-2d-mesh": message(two_d_param),
+        "3d-without-tp": message(lambda: fully_shard(build_llama(LlamaConfig()), three_d)),
+        "not-a-mesh": message(lambda: fully_shard(build_llama(LlamaConfig()), [0, 1])),
+        "zero-copy-not-bool": message(lambda: fully_shard(build_llama(LlamaConfig()), comm_fusion_zero_copy="yes")),
+    }
 
 
 def _fully_shard_run(mesh, world_mesh, reshard_after_forward: bool):
