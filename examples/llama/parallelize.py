@@ -48,6 +48,7 @@ from hyper_adaptor.testing.llama import Llama, loss_fn, split_stage
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zbh1": ScheduleZBH1,
              "interleaved": ScheduleInterleaved1F1B, "zbv": ScheduleZBV}
 MULTI_STAGE = ("interleaved", "zbv")  # two stages per rank
+ZERO_BUBBLE = ("zbh1", "zbv")
 MEMORY = ("none", "checkpoint", "swap")
 CP_ALGOS = ("ring", "ulysses", "allgather")
 DIMS = ("pp", "dp", "cp", "tp")
@@ -87,6 +88,10 @@ class ParallelConfig:
             raise ValueError(f"--memory must be one of {MEMORY}; got {self.memory!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--schedule must be one of {tuple(SCHEDULES)}; got {self.schedule!r}")
+        if self.schedule in ZERO_BUBBLE and self.pp > 1 and self.hsdp_level and self.dp * self.cp > 1:
+            # their W steps add weight gradients outside autograd, where HSDP's gradient hooks never run
+            raise ValueError(f"--schedule {self.schedule} defers weight gradients past HSDP's reduction: use it "
+                             f"with --hsdp-level 0 (gradients averaged after the step) or another schedule")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("--sequence-parallel needs --tp > 1")
         if model_cfg is not None:

@@ -32,6 +32,15 @@ def test_tp2_sequence_parallel_dp2_level3_matches(results):
     assert results["tp2-sp-dp2-level3"] == []
 
 
+@pytest.mark.parametrize("memory", ["level3-swap", "level2-checkpoint"])
+def test_tp2_dp2_with_activation_swap_or_checkpoint_matches(results, memory):
+    assert results[f"tp2-dp2-{memory}"] == []
+
+
+def test_pp2_dp2_hsdp_level3_matches(results):
+    assert results["pp2-dp2-level3"] == []
+
+
 @pytest.mark.parametrize("case", ["tp2-cp2", "tp2-cp2-level2"])
 def test_tp2_cp2_matches(results, case):
     assert results[case] == []

@@ -62,6 +62,7 @@ def test_bad_flags_are_usage_errors():
     (dict(cp_algo="x"), "--cp-algo must be one of"),
     (dict(sequence_parallel=True), "--sequence-parallel needs --tp > 1"),
     (dict(pp=4, dp=1, schedule="interleaved"), "needs 8 stages; the model has 2 layers"),
+    (dict(pp=2, dp=2, schedule="zbh1", hsdp_level=1), "--schedule zbh1 defers weight gradients"),
 ])
 def test_bad_layouts_name_the_flag(changes, words):
     from tests.distributed.one_mesh_checks import _example
