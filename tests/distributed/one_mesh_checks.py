@@ -272,3 +272,9 @@ EXPECTED_PLACEMENTS = {
 def dcp_only(rank: int, world_size: int) -> dict:
     dist.init_process_group("gloo")
     return checkpoint_reshard(reference(LlamaConfig()))
+
+
+def eight_ranks(rank: int, world_size: int) -> dict:
+    """PP2 x TP2 x DP2 (HSDP level 3), the whole mesh at once."""
+    dist.init_process_group("gloo")
+    return {"pp2-tp2-dp2-level3": train_and_compare(_setup(pp=2, tp=2, dp=2, hsdp_level=3), reference(LlamaConfig()))}
