@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from parallelize import (  # noqa: E402
+from parallelize import (
     ParallelConfig,
     average_gradients,
     build_mesh,
@@ -38,7 +38,7 @@ from parallelize import (  # noqa: E402
     parallelize,
 )
 
-from hyper_adaptor.testing.llama import LlamaConfig, build_llama, loss_fn  # noqa: E402
+from hyper_adaptor.testing.llama import LlamaConfig, build_llama, loss_fn
 
 _DCP = StateDictOptions(flatten_optimizer_state_dict=True)
 

@@ -30,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _example():
     """examples/llama/train.py (which imports its parallelize.py) as a module."""
     if "llama_train" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("llama_train", os.path.join(ROOT, "examples", "llama", "train.py"))
+        path = os.path.join(ROOT, "examples", "llama", "train.py")
+        spec = importlib.util.spec_from_file_location("llama_train", path)
         module = importlib.util.module_from_spec(spec)
         sys.modules["llama_train"] = module
         spec.loader.exec_module(module)

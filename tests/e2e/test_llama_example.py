@@ -31,9 +31,8 @@ def torchrun(*args, timeout=240):
 
 
 def test_train_save_at_tp2_dp2_resume_at_tp1_dp4(tmp_path):
-    from tests.distributed.one_mesh_checks import reference
-
     from hyper_adaptor.testing.llama import LlamaConfig
+    from tests.distributed.one_mesh_checks import reference
 
     ref = reference(LlamaConfig(), steps=3)["losses"]
     ckpt = str(tmp_path / "ckpt")
@@ -65,9 +64,8 @@ def test_bad_flags_are_usage_errors():
     (dict(pp=2, dp=2, schedule="zbh1", hsdp_level=1), "--schedule zbh1 defers weight gradients"),
 ])
 def test_bad_layouts_name_the_flag(changes, words):
-    from tests.distributed.one_mesh_checks import _example
-
     from hyper_adaptor.testing.llama import LlamaConfig
+    from tests.distributed.one_mesh_checks import _example
 
     example = _example()
     layout = dict(dp=4)
