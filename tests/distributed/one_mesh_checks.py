@@ -144,7 +144,9 @@ def compositions(rank: int, world_size: int) -> dict:
             out["clip"] = _clip(run, float(ref["grads"]["__norm__"]))
         out[f"tp2-dp2-level{level}"] = train_and_compare(run, ref)
     out["tp2-hsdp-replicate"] = train_and_compare(_setup(tp=2, dp=2, hsdp_level=2, dp_shard=1), ref)
-    out["tp2-sp-dp2-level3"] = train_and_compare(_setup(tp=2, dp=2, hsdp_level=3, sequence_parallel=True), ref)
+    for level in (1, 3):  # (level 1 keeps the full gradients, which sequence parallel leaves Partial over tp)
+        out[f"tp2-sp-dp2-level{level}"] = train_and_compare(
+            _setup(tp=2, dp=2, hsdp_level=level, sequence_parallel=True), ref)
     out["tp2-dp2-level3-swap"] = train_and_compare(_setup(tp=2, dp=2, hsdp_level=3, memory="swap"), ref)
     out["tp2-dp2-level2-checkpoint"] = train_and_compare(_setup(tp=2, dp=2, hsdp_level=2, memory="checkpoint"), ref)
     out["pp2-dp2-level3"] = train_and_compare(_setup(pp=2, dp=2, hsdp_level=3), ref)
@@ -228,6 +230,10 @@ def fully_shard_meshes(ref: dict) -> dict:
     out["fully_shard-2d-dp-tp"] = train_and_compare(run, ref)
     wq = run.stages[0][1].layers["0"].attention.wq.weight
     out["fully_shard-2d-dp-tp-wq"] = (tuple(wq.placements), tuple(wq.device_mesh.mesh.shape))
+    # (replicate, shard, tp) with shard groups of one rank: every parameter replicated over dp
+    three_d = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    run = _fully_shard_run(three_d, world, False)
+    out["fully_shard-3d-replicate-shard-tp"] = train_and_compare(run, ref)
     return out
 
 

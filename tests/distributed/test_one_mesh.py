@@ -30,8 +30,9 @@ def test_tp2_hsdp_with_replicas_matches(results):
     assert results["tp2-hsdp-replicate"] == []
 
 
-def test_tp2_sequence_parallel_dp2_level3_matches(results):
-    assert results["tp2-sp-dp2-level3"] == []
+@pytest.mark.parametrize("level", [1, 3])
+def test_tp2_sequence_parallel_dp2_matches(results, level):
+    assert results[f"tp2-sp-dp2-level{level}"] == []
 
 
 @pytest.mark.parametrize("memory", ["level3-swap", "level2-checkpoint"])
@@ -53,7 +54,7 @@ def test_pp2_tp2_matches(results, schedule):
     assert results[f"pp2-tp2-{schedule}"] == []
 
 
-@pytest.mark.parametrize("mesh", ["1d", "2d-hsdp", "2d-dp-tp"])
+@pytest.mark.parametrize("mesh", ["1d", "2d-hsdp", "2d-dp-tp", "3d-replicate-shard-tp"])
 def test_fully_shard_meshes_match(results, mesh):
     assert results[f"fully_shard-{mesh}"] == []
 
