@@ -3,6 +3,8 @@ methods every wrapped module gains.
 
 Wrap inner blocks first, then the root (each call manages the parameters not already managed by
 a nested call), and build the optimizer afterwards: ``module.parameters()`` then yields the shards.
+Apply tensor parallel before: parameters that are DTensors on a 1-D tp mesh are sharded over data
+parallel on their TP-local tensors (``_param.py``), their shards placed on the (dp dims..., tp) mesh.
 """
 
 from __future__ import annotations
