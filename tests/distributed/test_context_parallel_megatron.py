@@ -1,7 +1,7 @@
 """Context parallel on megatron's local spec (``--context-parallel-size``, level 2) against one process.
 
 A megatron-core GPT with RoPE, SwiGLU, RMSNorm and grouped-query attention (4 query heads, 2 key/value
-groups) trains 3 Adam steps on the same global batch, cut per CP rank by megatron's own
+groups) trains 2 Adam steps on the same global batch, cut per CP rank by megatron's own
 ``get_batch_on_this_cp_rank`` (load-balanced chunks); the attention of every layer runs through
 hyper_adaptor's context-parallel engine, everything else (RoPE slice, loss scaling, gradient reduction
 over data x context) is megatron's. Reference: the same model in one process (CP 1), same initial weights.
@@ -22,6 +22,9 @@ pytestmark = pytest.mark.distributed
 
 TARGET = "tests.distributed.gpt_parity:train_many"
 FP32 = dict(loss_rtol=1e-5, grad_rtol=1e-4, param_atol=1e-4)
+# two steps: the second's gradients and Adam update depend on the first's (Adam's first update is the
+# gradient's sign), and every step runs each layer's context-parallel attention forward and backward
+STEPS = 2
 BF16_FIRST_STEP = dict(BF16, grad_steps=1)
 LEVEL1 = dict(use_fused_rmsnorm=True, use_fused_swiglu=True, use_fused_rotary_pos_emb=True, use_flash_attn=True,
               gradient_accumulation_fusion=True, normalization="RMSNorm", swiglu=True, bias_swiglu_fusion=True,
@@ -52,7 +55,7 @@ def _layout(cp: int = 1, algo: str = "ring", bf16: bool = False, tp: int = 1, pp
                      ulysses_degree_in_cp=2 if algo == "hybrid" else None, num_attention_heads=4,
                      tensor_model_parallel_size=tp, seq_length=SEQ, attention_dropout=0.0, **(features or {}))
     comm_type = ALGORITHMS[algo]["comm_type"] if cp > 1 else None
-    return Layout(tp=tp, pp=pp, cp=cp, cp_comm_type=comm_type, hierarchical_cp=hierarchical,
+    return Layout(tp=tp, pp=pp, cp=cp, cp_comm_type=comm_type, hierarchical_cp=hierarchical, steps=STEPS,
                   bf16=bf16, extra=_modern(**(extra or {})), model=dict(position_embedding_type="rope"), features=flags,
                   **layout)
 
@@ -71,10 +74,18 @@ def two_ranks(reference):
     layouts["CP2-ring-level1"] = _layout(2, "ring", features=LEVEL1, extra=LEVEL1_CONFIG)
     # full recomputation: each layer's forward, context-parallel attention included, runs again in backward
     layouts["CP2-ulysses-recompute"] = _layout(2, "ulysses", extra=RECOMPUTE)
-    result = run_world(2, TARGET, timeout=600, layouts=layouts, init_params=reference["fp32"]["init"])[0]
     moe = _layout(2, "ring", extra=MOE, spec=dict(num_experts=4))
-    result.update(run_world(2, TARGET, timeout=600, layouts={"CP2-ring-MoE": moe},
-                            init_params=reference["moe"]["init"])[0])
+    groups = [(layouts, reference["fp32"]["init"]), ({"CP2-ring-MoE": moe}, reference["moe"]["init"])]
+    return run_world(2, "tests.distributed.test_context_parallel_megatron:train_groups", timeout=900, groups=groups)[0]
+
+
+def train_groups(rank: int, world_size: int, groups: list) -> dict:
+    """Layouts that start from different initial weights, in one world: [(layouts, init_params), ...]."""
+    from tests.distributed.gpt_parity import train_many
+
+    result = {}
+    for layouts, init_params in groups:
+        result.update(train_many(rank, world_size, layouts, init_params))
     return result
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hyper_adaptor.testing import run_world
 from tests.distributed.moe_dispatcher_checks import FFN
 from tests.distributed.test_moe_dispatchers import VARIANTS as LEVEL0_VARIANTS
 from tests.distributed.test_moe_dispatchers import compare, world_fixture
@@ -104,9 +103,8 @@ def _sent(runs: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_world(1, "tests.distributed.moe_dispatcher_checks:reference", timeout=300, chunks=4,
-                     variants=VARIANTS)[0]
+def reference(moe_reference):
+    return moe_reference  # tests/distributed/conftest.py (test_moe_dispatchers.py reads it too)
 
 
 world2 = world_fixture(2, f"{TARGET}:layouts", _sent(WORLD2), timeout=400)

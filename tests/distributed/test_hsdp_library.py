@@ -12,14 +12,26 @@ pytestmark = pytest.mark.distributed
 TARGET = "tests.distributed.hsdp_checks"
 
 
-@pytest.fixture(scope="module")
-def matrix():
-    return run_world(4, f"{TARGET}:level_matrix", timeout=400)[0]
+def matrix_and_extras(rank: int, world_size: int) -> dict:
+    from tests.distributed import hsdp_checks
+
+    return {"matrix": hsdp_checks.level_matrix(rank, world_size), "extras": hsdp_checks.extras(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
-def extras():
-    return run_world(4, f"{TARGET}:extras", timeout=400)[0]
+def world():
+    # the level matrix and the extras in one 4-rank world (each world costs a start-up of every rank)
+    return run_world(4, "tests.distributed.test_hsdp_library:matrix_and_extras", timeout=800)[0]
+
+
+@pytest.fixture(scope="module")
+def matrix(world):
+    return world["matrix"]
+
+
+@pytest.fixture(scope="module")
+def extras(world):
+    return world["extras"]
 
 
 @pytest.mark.parametrize("level", ["level1", "level2", "level3"])

@@ -1,6 +1,6 @@
 """The memory features on megatron-core's GPT (features/swap.py, features/recompute.py,
-patches/memory/layers.py): each flag's run against the same GPT without it, 3 Adam steps on CPU/gloo, in one
-world per layout.
+patches/memory/layers.py): each flag's run against the same GPT without it, 2 Adam steps on CPU/gloo, TP2 and
+PP2 one after the other in one world.
 
 Swap moves saved activations to the host and back: nothing is recomputed, so losses, gradients and
 parameters are bitwise equal (tolerance 0). Recompute reruns forward ops in backward: 1e-6. Every swap
@@ -19,7 +19,7 @@ from tests.distributed.gpt_parity import Layout, compare
 
 pytestmark = pytest.mark.distributed
 
-TARGET = "tests.distributed.test_memory_megatron:train_variants"
+TARGET = "tests.distributed.test_memory_megatron:train_layouts"
 BITWISE = dict(loss_rtol=0.0, grad_atol=0.0, param_atol=0.0)
 RECOMPUTE = dict(loss_rtol=1e-6, grad_atol=1e-6, param_atol=1e-6)
 
@@ -93,13 +93,27 @@ def _check(results: dict, names: list) -> None:
         diffs = compare(reference, got, **tolerance)
         assert diffs == [], f"{name}:\n" + "\n".join(diffs[:20])
         if name in SWAPPING:
-            # bytes really went to the host and came back (3 steps x 4 micro-batches)
+            # bytes really went to the host and came back (2 steps x 4 micro-batches)
             assert got["moved_bytes"] > 0 and got["loaded_bytes"] > 0, name
 
 
-@pytest.mark.parametrize("layout,ranks", [(dict(tp=2), 2), (dict(pp=2), 2)], ids=["TP2", "PP2"])
-def test_memory_flags_keep_megatron_numerics(layout, ranks):
-    names = list(VARIANTS)
-    results = run_world(ranks, TARGET, timeout=900, layout=layout, names=names)[0]
-    _check(results, names)
+# two steps: the second's gradients and Adam update depend on the first's (Adam's first update is the
+# gradient's sign), and each step saves, moves and recomputes every layer's activations
+LAYOUTS = {"TP2": dict(tp=2, steps=2), "PP2": dict(pp=2, steps=2)}
+
+
+def train_layouts(rank: int, world_size: int, layouts: dict, names: list) -> dict:
+    return {key: train_variants(rank, world_size, layout, names) for key, layout in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    # both layouts are 2-rank worlds: one world runs them one after the other
+    return run_world(2, TARGET, timeout=900, layouts=LAYOUTS, names=list(VARIANTS))[0]
+
+
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_memory_flags_keep_megatron_numerics(layouts, key):
+    results = layouts[key]
+    _check(results, list(VARIANTS))
     assert any("fine-grained-activation-offloading" in n for n in results["fine_grained"]["notices"])

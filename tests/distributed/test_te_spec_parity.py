@@ -17,7 +17,7 @@ from tests.distributed.gpt_parity import Layout, compare
 
 pytestmark = pytest.mark.distributed
 
-TARGET = "tests.distributed.test_te_spec_parity:train_both_specs"
+TARGET = "tests.distributed.test_te_spec_parity:train_runs"
 EXACT = dict(loss_rtol=1e-6, grad_atol=1e-6, param_atol=1e-6)
 _TE_TO_LOCAL = [
     (re.compile(r"self_attention\.linear_qkv\.layer_norm_(weight|bias)$"), r"input_layernorm.\1"),
@@ -74,11 +74,30 @@ def train_both_specs(rank: int, world_size: int, tp: int, sequence_parallel: boo
     return {"local": local, "te": te}
 
 
+def train_runs(rank: int, world_size: int, runs: dict) -> dict:
+    """Several ``train_both_specs`` runs one after the other in one world (each world costs a start-up)."""
+    return {name: train_both_specs(rank, world_size, **kwargs) for name, kwargs in runs.items()}
+
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return run_world(1, TARGET, timeout=600, runs={"TP1": dict(tp=1), "MLA-TP1": dict(tp=1, mla=True)})[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(one_rank):
+    # MLA at TP2 from the TP1 run's starting point (megatron draws TP-sharded weights differently at TP2)
+    runs = {"TP2": dict(tp=2), "TP2+SP": dict(tp=2, sequence_parallel=True),
+            "MLA-TP2": dict(tp=2, mla=True, init_params=one_rank["MLA-TP1"]["local"]["init"])}
+    return run_world(2, TARGET, timeout=800, runs=runs)[0]
+
+
 # TP2+SP: each rank normalises its own tokens, so the fused norm's gradients must be all-reduced over TP
 # like the local norm's (its parameters carry megatron's sequence_parallel flag)
-@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)], ids=["TP1", "TP2", "TP2+SP"])
-def test_te_spec_gpt_trains_like_the_local_spec_gpt(tp, sequence_parallel):
-    result = run_world(tp, TARGET, timeout=400, tp=tp, sequence_parallel=sequence_parallel)[0]
+@pytest.mark.parametrize("name", ["TP1", "TP2", "TP2+SP"])
+def test_te_spec_gpt_trains_like_the_local_spec_gpt(request, name):
+    result = request.getfixturevalue("one_rank" if name == "TP1" else "two_ranks")[name]
     local, te = result["local"], result["te"]
     # the TE run really had TE's fused norm+linear parameters
     assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in te["te_param_names"]
@@ -88,15 +107,13 @@ def test_te_spec_gpt_trains_like_the_local_spec_gpt(tp, sequence_parallel):
     assert len(te["loss"]) == 3 and te["loss"][-1] < te["loss"][0]
 
 
-def test_mla_gpt_trains_at_tp1_and_tp2_and_te_spec_matches_local():
+def test_mla_gpt_trains_at_tp1_and_tp2_and_te_spec_matches_local(one_rank, two_ranks):
     """Multi-latent attention without TE: megatron's local spec (and so the TE spec's stand-in) could not
     build an MLA layer at all — its core attention refused MLA's key/value head sizes, and YaRN RoPE
     asked for an accelerator on CPU (patches/compat/megatron_core.py). Now: the TE-spec MLA GPT equals
     the local-spec MLA GPT (1e-6), and the TP2 run equals the TP1 run (losses and gradients of 3 steps,
     1e-5: TP splits the reductions)."""
-    tp1 = run_world(1, TARGET, timeout=400, tp=1, mla=True)[0]
-    # from the TP1 run's starting point (megatron draws TP-sharded weights differently at TP2)
-    tp2 = run_world(2, TARGET, timeout=400, tp=2, mla=True, init_params=tp1["local"]["init"])[0]
+    tp1, tp2 = one_rank["MLA-TP1"], two_ranks["MLA-TP2"]
     for result in (tp1, tp2):
         assert "decoder.layers.0.self_attention.linear_kv_down_proj.weight" in result["te"]["te_param_names"]
         assert compare(result["local"], result["te"], **EXACT) == []

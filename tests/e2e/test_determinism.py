@@ -1,7 +1,9 @@
 """--deterministic-mode end to end: the same command run twice gives the same losses, the same gradient
 norms and bitwise the same checkpoint (every parameter, both Adam moments, the RNG states), once per
-feature family — level 0 (TP2 x PP2), level 1 with every fused op, level 2 (HSDP level 3 with context
-parallel 2) — and inside every rank the switches are really on (docs/features/determinism.md).
+feature family — TP2 x PP2 without feature flags (the embedded corpus, dropout on: the first of its two
+runs is the one tests/e2e/conftest.py shares with the save/resume and checkout tests), level 1 with
+every fused op, level 2 (HSDP level 3 with context parallel 2) — and inside every rank the switches are
+really on (docs/features/determinism.md).
 
 The logged losses and norms carry megatron's 7 / 4 significant digits; the bitwise evidence is the
 checkpoint: after 5 steps the parameters and Adam's two moments are functions of every step's
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from hyper_adaptor.testing import run_world
-from tests.e2e.test_pretrain_gpt import MODEL, grad_norms, pretrain
+from tests.e2e.test_pretrain_gpt import MODEL, grad_norms, pretrain, tp2_pp2_flags
 
 pytestmark = pytest.mark.e2e
 ITERS = "5"
@@ -59,14 +61,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _twice(tmp_path, nproc, *flags, model=MODEL):
+def _twice(tmp_path, nproc, *flags, model=MODEL, first=None):
+    """The command run twice (``first``: (checkpoint directory, losses, output) of its first run, made
+    elsewhere with the same command); each run saves at its last iteration."""
     runs = []
     for i in (1, 2):
-        save = tmp_path / f"run{i}"
-        losses, output = pretrain(nproc, *COMMON, "--save", str(save), *flags, model=model)
-        runs.append((losses, grad_norms(output), _checkpoint(save / f"iter_000000{ITERS}"), output))
+        if i == 1 and first is not None:
+            save, losses, output = first
+        else:
+            save = tmp_path / f"run{i}"
+            losses, output = pretrain(nproc, *flags, "--save", str(save), model=model)
+        last = (save / "latest_checkpointed_iteration.txt").read_text().strip()
+        runs.append((losses, grad_norms(output), _checkpoint(save / f"iter_{int(last):07d}"), output))
     (l1, g1, c1, out), (l2, g2, c2, _) = runs
-    assert sorted(l1) == list(range(1, int(ITERS) + 1)), out[-3000:]
+    assert sorted(l1) == list(range(1, int(last) + 1)), out[-3000:]
     assert l1 == l2 and g1 == g2, (l1, l2, g1, g2)
     tensors = [k for k, v in c1.items() if isinstance(v, torch.Tensor)]
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in tensors), sorted(c1)[:20]
@@ -79,9 +87,10 @@ def _twice(tmp_path, nproc, *flags, model=MODEL):
     return l1, out
 
 
-def test_level0_tp2_pp2_twice_bitwise(tmp_path):
-    _twice(tmp_path, 4, "--optimization-level", "0", "--tensor-model-parallel-size", "2",
-           "--pipeline-model-parallel-size", "2")
+def test_tp2_pp2_twice_bitwise(corpus, tp2_pp2_run, tmp_path):
+    """TP2 x PP2 with megatron's data-loader workers and dropout on, 6 steps, at the default level with no
+    feature flags (level 0's patches and the gradient-accumulation fusion)."""
+    _twice(tmp_path, 4, *tp2_pp2_flags(corpus), "--save-interval", "3", first=tp2_pp2_run)
 
 
 def test_level1_every_fused_op_twice_bitwise(tmp_path):
@@ -92,7 +101,7 @@ def test_level1_every_fused_op_twice_bitwise(tmp_path):
              "--disable-bias-linear --num-experts 4 --moe-grouped-gemm --moe-router-topk 2 "
              "--tensor-model-parallel-size 2 --sequence-parallel").split()
     model = [a for a in MODEL if a != "--no-bias-swiglu-fusion"]  # the fused SwiGLU rides on that fusion
-    _, output = _twice(tmp_path, 2, *flags, model=model)
+    _, output = _twice(tmp_path, 2, *COMMON, *flags, model=model)
     for feature in ("fused_rmsnorm", "fused_swiglu", "fused_rope", "flash_attn", "grad_accum_fusion",
                     "moe_grouped_gemm"):
         assert f"{feature} (level 1) applied" in output, feature
@@ -103,7 +112,7 @@ def test_level2_hsdp_level3_with_context_parallel_twice_bitwise(tmp_path):
     backward) over data x context parallel, ring attention at CP 2: 4 ranks, CP 2 x DP 2."""
     flags = ("--use-hsdp --hsdp-optimizer-level level3 --hsdp-comm-async --context-parallel-size 2 "
              "--attention-dropout 0").split()
-    _, output = _twice(tmp_path, 4, *flags)
+    _, output = _twice(tmp_path, 4, *COMMON, *flags)
     for feature in ("hsdp", "context_parallel"):
         assert f"{feature} (level 2) applied" in output, feature
 

@@ -4,6 +4,10 @@ losses and gradient norms against megatron's own DDP run of the same command, 3 
 Tolerance: losses 1e-5 relative (megatron logs 7 significant digits); grad norms as logged (4
 significant digits) equal. --hsdp-threshold-kb 0 shards every parameter (this model's matrices are
 below the 64 KB default); the default threshold is run too (level 2, comm_async).
+
+DP4's runs (a SwiGLU model: fc1 holds W and V, and a shard may straddle them) train 6 iterations; the
+two that the checkpoint tests resume save at iteration 3, so one launch is both a parity run and the
+uninterrupted run of a resume.
 """
 
 import re
@@ -19,13 +23,13 @@ LOSS_SCALE = re.compile(r"iteration\s+\d+/\s*\d+ \|.*?loss scale: ([0-9.E+-]+)")
 COMMON = ["--mock-data", "--train-iters", "3", "--global-batch-size", "16",
           "--hidden-dropout", "0.0", "--attention-dropout", "0.0", "--num-workers", "0"]
 LAYOUTS = {
-    "DP4": [],
+    "DP4": ["--train-iters", "6"],
     # MoE, expert-parallel size 1 (the expert data-parallel group is the data-parallel group); without
     # linear biases: megatron 0.19.2's SequentialMLP adds the expert bias in place into the output of
     # _ReduceFromModelParallelRegion, which autograd refuses at TP 1 (megatron DDP alike)
     "DP4-MoE": ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear"],
     # full activation recomputation: each layer's forward runs again inside backward
-    "DP4-recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform",
+    "DP4-recompute": ["--train-iters", "6", "--recompute-granularity", "full", "--recompute-method", "uniform",
                       "--recompute-num-layers", "1"],
     "TP2xDP2": ["--tensor-model-parallel-size", "2"],
     "PP2xDP2": ["--pipeline-model-parallel-size", "2"],
@@ -47,26 +51,53 @@ RUNS = {
     "PP2xDP2-level3": ("PP2xDP2", ["--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
 }
 
+SWIGLU_MODEL = [a for a in MODEL if a != "--no-bias-swiglu-fusion"] + ["--swiglu"]
+MODELS = {"DP4": SWIGLU_MODEL, "DP4-recompute": SWIGLU_MODEL}
+# megatron's DDP run a layout's HSDP runs are compared with: full recomputation re-runs each layer's
+# forward bitwise (dropout off), so megatron's DDP logs the same losses and grad norms with it as without
+# (seen, all 6 iterations); the HSDP run with recomputation is held to DP4's
+REFERENCE = {"DP4-recompute": "DP4"}
 
-def _run(layout, extra=()):
-    return pretrain(4, *COMMON, *LAYOUTS[layout], *extra, model=MODEL)
+
+def _run(layout, extra=(), model=None):
+    return pretrain(4, *COMMON, *LAYOUTS[layout], *extra, model=model or MODELS.get(layout, MODEL))
 
 
 @pytest.fixture(scope="module")
 def ddp():
-    return {name: _run(name) for name in LAYOUTS}
+    return {name: _run(name) for name in LAYOUTS if name not in REFERENCE}
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    """HSDP runs by RUNS name (or (layout, flags, model) for one that only a resume reads), each launched
+    once; the ones a checkpoint test resumes save at iteration 3. Returns (checkpoint, losses, output)."""
+    cache = {}
+
+    def run(key):
+        if key not in cache:
+            layout, flags, model = (RUNS[key][0], ("--use-hsdp", *RUNS[key][1]), None) if isinstance(key, str) else key
+            extra, ckpt = list(flags), None
+            if key in SAVED:
+                ckpt = str(tmp_path_factory.mktemp("ckpt") / "ckpt")
+                extra += ["--save", ckpt, "--save-interval", "3"]
+            cache[key] = (ckpt, *_run(layout, extra, model))
+        return cache[key]
+
+    return run
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_hsdp_matches_megatron_ddp(ddp, name):
-    layout, flags = RUNS[name]
-    losses, output = _run(layout, ["--use-hsdp", *flags])
+def test_hsdp_matches_megatron_ddp(ddp, hsdp_runs, name):
+    layout = RUNS[name][0]
+    _, losses, output = hsdp_runs(name)
     assert "hsdp (level 2) applied" in output
-    want_losses, want_output = ddp[layout]
-    assert sorted(losses) == [1, 2, 3]
-    for it in (1, 2, 3):
+    want_losses, want_output = ddp[REFERENCE.get(layout, layout)]
+    iterations = sorted(want_losses)
+    assert sorted(losses) == iterations and iterations[:3] == [1, 2, 3]
+    for it in iterations:
         assert abs(losses[it] - want_losses[it]) <= 1e-5 * abs(want_losses[it]), (losses, want_losses)
-    assert sorted(grad_norms(output)) == [1, 2, 3]  # (two runs that log none would be equal)
+    assert sorted(grad_norms(output)) == iterations  # (two runs that log none would be equal)
     assert grad_norms(output) == grad_norms(want_output)
     assert losses[3] < losses[1]  # it trains
 
@@ -86,7 +117,7 @@ def within_logged_units(got: float, want: float, tolerance: float = GRAD_NORM_TO
 
 @pytest.fixture(scope="module")
 def ddp_bf16():
-    return _run("DP4", BF16)
+    return _run("DP4", BF16, MODEL)
 
 
 @pytest.mark.parametrize("level", ["level1", "level3"])
@@ -96,7 +127,8 @@ def test_bf16_matches_megatron_ddp(ddp_bf16, level):
     than megatron's all-reduce (seen: 9e-6); each step's gradient norm within GRAD_NORM_TOLERANCE
     (the only gradient megatron logs)."""
     want, want_output = ddp_bf16
-    got, output = _run("DP4", [*BF16, "--use-hsdp", "--hsdp-optimizer-level", level, "--hsdp-threshold-kb", "0"])
+    got, output = _run("DP4", [*BF16, "--use-hsdp", "--hsdp-optimizer-level", level, "--hsdp-threshold-kb", "0"],
+                       MODEL)
     assert "hsdp (level 2) applied" in output
     assert sorted(got) == [1, 2, 3, 4]
     for it in (1, 2, 3, 4):
@@ -112,8 +144,8 @@ def test_fp16_loss_scaling_matches_megatron_ddp():
     finds inf/nan over the data-parallel group; losses within 1e-4 relative, same loss scale, gradient
     norms within GRAD_NORM_TOLERANCE."""
     flags = ["--fp16", "--initial-loss-scale", "65536", "--train-iters", "5"]
-    want, want_output = _run("DP4", flags)
-    got, output = _run("DP4", [*flags, "--use-hsdp", "--hsdp-threshold-kb", "0"])
+    want, want_output = _run("DP4", flags, MODEL)
+    got, output = _run("DP4", [*flags, "--use-hsdp", "--hsdp-threshold-kb", "0"], MODEL)
     assert "--hsdp-reduce-dtype: None -> 'fp32' (--use-hsdp with --fp16 reduces gradients in fp32" in output
     assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5]
     for it in want:
@@ -128,49 +160,29 @@ def test_fp16_loss_scaling_matches_megatron_ddp():
 
 
 # -- checkpoints: save at iteration 3 of 6, resume, compare with the uninterrupted run ---------------
-SWIGLU_MODEL = [a for a in MODEL if a != "--no-bias-swiglu-fusion"] + ["--swiglu"]
 RESUMES = {
-    # name: (layout, flags of the saving run, flags of the resuming run, model)
-    "DP4-level3": ("DP4", ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"],
-                   ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"], MODEL),
+    # name: (the saving run: a RUNS name, or (layout, flags, model); flags of the resuming run)
+    "DP4-level3": ("DP4-level3", ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
     # bf16: fp32 main copies of the shards, written by megatron's Float16 optimizer
-    "TP2xDP2-level2-swiglu-bf16": ("TP2xDP2", ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"],
-                                   ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"], SWIGLU_MODEL),
+    "TP2xDP2-level2-swiglu-bf16": (("TP2xDP2", ("--train-iters", "6", "--use-hsdp", "--hsdp-threshold-kb", "0",
+                                                "--bf16"), tuple(SWIGLU_MODEL)),
+                                   ["--use-hsdp", "--hsdp-threshold-kb", "0", "--bf16"]),
     # another level and shard size reads it: level 3 over 4 ranks writes, level 1 hybrid (2 x 2) resumes
-    "DP4-level3-to-level1-hybrid": ("DP4",
-                                    ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"],
-                                    ["--use-hsdp", "--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb", "0",
-                                     "--hsdp-shard-size", "2"], MODEL),
+    "DP4-level3-to-level1-hybrid": ("DP4-level3", ["--use-hsdp", "--hsdp-optimizer-level", "level1",
+                                                   "--hsdp-threshold-kb", "0", "--hsdp-shard-size", "2"]),
     # the checkpoint is megatron's own layout: HSDP (hybrid, level 1) writes it, plain DDP resumes
-    "DP4-level1-hybrid-to-DDP": ("DP4", ["--use-hsdp", "--hsdp-optimizer-level", "level1", "--hsdp-threshold-kb",
-                                         "0", "--hsdp-shard-size", "2"], [], SWIGLU_MODEL),
+    "DP4-level1-hybrid-to-DDP": ("DP4-level1-hybrid", []),
 }
-
-
-@pytest.fixture(scope="module")
-def saved_runs(tmp_path_factory):
-    """The uninterrupted saving runs, one per distinct (layout, saving flags, model): resumes that read
-    the same checkpoint share it (the resuming runs only load it)."""
-    cache = {}
-
-    def saved(layout, save_flags, model):
-        key = (layout, tuple(save_flags), tuple(model))
-        if key not in cache:
-            ckpt = str(tmp_path_factory.mktemp("ckpt") / "ckpt")
-            common = ["--mock-data", "--train-iters", "6", *COMMON[3:], *LAYOUTS[layout]]
-            full, output = pretrain(4, *common, *save_flags, "--save", ckpt, "--save-interval", "3", model=model)
-            assert sorted(full) == [1, 2, 3, 4, 5, 6]
-            cache[key] = ckpt, full, output
-        return cache[key]
-
-    return saved
+SAVED = {saving for saving, _ in RESUMES.values()}
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_save_then_resume_reproduces_the_next_losses(saved_runs, name):
-    layout, save_flags, load_flags, model = RESUMES[name]
+def test_save_then_resume_reproduces_the_next_losses(hsdp_runs, name):
+    saving, load_flags = RESUMES[name]
+    layout, model = (RUNS[saving][0], MODELS.get(RUNS[saving][0], MODEL)) if isinstance(saving, str) else saving[::2]
     common = ["--mock-data", "--train-iters", "6", *COMMON[3:], *LAYOUTS[layout]]
-    ckpt, full, full_output = saved_runs(layout, save_flags, model)
+    ckpt, full, full_output = hsdp_runs(saving)
+    assert sorted(full) == [1, 2, 3, 4, 5, 6]
     resumed, output = pretrain(4, *common, *load_flags, "--load", ckpt, "--ckpt-step", "3", model=model)
     assert sorted(resumed) == [4, 5, 6], resumed
     # iteration 5 is logged as the mean of 4 and 5 after a resume (megatron.training's logger; see

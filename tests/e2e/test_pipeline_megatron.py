@@ -25,10 +25,17 @@ def _close(a: float, b: float, rtol: float = 1e-5) -> bool:
     return abs(a - b) <= rtol * abs(b)
 
 
-def test_zbv_trains_and_resumes_under_megatrons_1f1b_and_hsdp_runs_model_chunks(tmp_path):
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def zbv_run(tmp_path_factory):
+    """ZBV at PP2 x DP2, saved at iteration 2 of 4: read by both tests. Returns (checkpoint, losses, output)."""
+    ckpt = tmp_path_factory.mktemp("zbv") / "ckpt"
     zbv, output = pretrain(4, *COMMON, *CHUNKS, "--pipeline-schedule", "zbv", "--save", str(ckpt),
                            "--save-interval", "2")
+    return ckpt, zbv, output
+
+
+def test_zbv_trains_and_resumes_under_megatrons_1f1b_and_hsdp_runs_model_chunks(zbv_run):
+    ckpt, zbv, output = zbv_run
     assert "pipeline (level 2) applied" in output, output[-3000:]
     assert sorted(zbv) == [1, 2, 3, 4] and zbv[4] < zbv[1], zbv
 
@@ -49,24 +56,20 @@ def test_zbv_trains_and_resumes_under_megatrons_1f1b_and_hsdp_runs_model_chunks(
 MEGATRON_LM_SCRIPT = "tests/e2e/megatron_lm_pretrain_gpt.py"
 
 
-def test_zbv_trains_megatron_lms_own_batch_helpers_like_1f1b(tmp_path):
+def test_zbv_trains_megatron_lms_own_batch_helpers_like_1f1b(zbv_run):
     """Megatron-LM's pretrain_gpt.py hands megatron's TP batch helper the pipeline rank's first / last
     answers; the V puts the loss stage on rank 0, the first rank, whose batch would then hold no labels or
-    loss mask (its loss_func dies on ``loss_mask.view``). ZBV and 1F1B both resume one step of 1F1B (so
-    they start from the same weights: megatron seeds a layer's initial weights by its pipeline rank, and
-    the V moves layers to other ranks; a resumed run's losses are compared with a resumed run's) and
-    must give the same losses (1e-5 relative: the same micro-batch computations, gradients accumulated
-    in another order)."""
-    flags = [*COMMON[:3], "--train-iters", "3", *COMMON[5:]]
-    ckpt = tmp_path / "ckpt"
-    pretrain(2, *flags, "--save", str(ckpt), "--save-interval", "1", "--exit-interval", "1",
-             script=MEGATRON_LM_SCRIPT, timeout=300)
-    resumed = ["--load", str(ckpt), "--ckpt-step", "1"]
-    one_f_one_b, output = pretrain(2, *flags, *resumed, "--pipeline-schedule", "1f1b", script=MEGATRON_LM_SCRIPT,
+    loss mask (its loss_func dies on ``loss_mask.view``). ZBV and 1F1B both resume the ZBV run's
+    checkpoint of iteration 2 at PP 2 (so they start from the same weights: megatron seeds a layer's
+    initial weights by its pipeline rank, and the V moves layers to other ranks; a resumed run's losses
+    are compared with a resumed run's) and must give the same losses (1e-5 relative: the same
+    micro-batch computations, gradients accumulated in another order)."""
+    resumed = ["--load", str(zbv_run[0]), "--ckpt-step", "2"]
+    one_f_one_b, output = pretrain(2, *COMMON, *resumed, "--pipeline-schedule", "1f1b", script=MEGATRON_LM_SCRIPT,
                                    timeout=300)
-    assert sorted(one_f_one_b) == [2, 3], output[-3000:]
-    zbv, output = pretrain(2, *flags, *resumed, *CHUNKS, "--pipeline-schedule", "zbv", script=MEGATRON_LM_SCRIPT,
+    assert sorted(one_f_one_b) == [3, 4], output[-3000:]
+    zbv, output = pretrain(2, *COMMON, *resumed, *CHUNKS, "--pipeline-schedule", "zbv", script=MEGATRON_LM_SCRIPT,
                            timeout=300)
     assert "pipeline (level 2) applied" in output, output[-3000:]
-    assert sorted(zbv) == [2, 3], output[-3000:]
+    assert sorted(zbv) == [3, 4], output[-3000:]
     assert all(_close(zbv[i], one_f_one_b[i]) for i in zbv), (zbv, one_f_one_b)

@@ -1,6 +1,10 @@
 """End to end: examples/pretrain_gpt.py through torchrun on the embedded corpus (TP2 x PP2, 4 CPU
 processes): the loss falls, a checkpoint is saved, and resuming from it reproduces the
 uninterrupted run's next losses exactly (to the 7 significant digits megatron logs), dropout on.
+
+The uninterrupted run is shared (tests/e2e/conftest.py). A single process on --mock-data with megatron's
+loader workers is tests/e2e/test_profiling.py's run without --profile; the level-1 flags applied through
+megatron.training, one notice each, are checked by tests/e2e/test_determinism.py's level-1 runs.
 """
 
 import os
@@ -79,31 +83,22 @@ def grad_norms(output):
     return {int(i): float(v) for i, v in GRAD_NORM.findall(output)}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("corpus") / "stdlib_text_document"
-    subprocess.run(
-        [sys.executable, "examples/corpus.py", "--output-prefix", str(prefix), "--max-bytes", str(2 << 20)],
-        cwd=ROOT, check=True, capture_output=True, timeout=300,
-    )
-    return str(prefix)
+def tp2_pp2_flags(corpus):
+    """The TP2 x PP2 command line on the embedded corpus, dropout on, 6 iterations, under
+    --deterministic-mode (tests/e2e/test_determinism.py runs it twice; tests/e2e/conftest.py launches the
+    saving run once for the tests that read it)."""
+    return ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--data-path", corpus,
+            "--split", "98,2,0", "--train-iters", "6", "--deterministic-mode"]
 
 
-def test_train_save_resume_tp2_pp2(corpus, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-    data = ["--data-path", corpus, "--split", "98,2,0"]
-    full, full_output = pretrain(
-        4, *layout, *data, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"
-    )
+def test_train_save_resume_tp2_pp2(corpus, tp2_pp2_run):
+    ckpt, full, full_output = tp2_pp2_run
     assert sorted(full) == [1, 2, 3, 4, 5, 6]
     assert full[6] < full[1] - 0.3, full  # it learns
     assert (ckpt / "iter_0000003").is_dir() and (ckpt / "iter_0000006").is_dir()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
-    resumed, output = pretrain(
-        4, *layout, *data, "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "3"
-    )
+    resumed, output = pretrain(4, *tp2_pp2_flags(corpus), "--load", str(ckpt), "--ckpt-step", "3")
     assert "loading checkpoint" in output.lower() or "loaded checkpoint" in output.lower()
     assert sorted(resumed) == [4, 5, 6], resumed
     # The next iteration's loss, and every resumed step's gradient norm, exactly as uninterrupted.
@@ -113,22 +108,3 @@ def test_train_save_resume_tp2_pp2(corpus, tmp_path):
     # (Iteration 5 is not compared: megatron.training's logger, after a resume, reports the mean of
     # iterations 4 and 5 there — seen as resumed[5] == (full[4] + full[5]) / 2 — a logging quirk of
     # megatron.training, not a numerical difference: iteration 6, which depends on 5, is exact.)
-
-
-def test_mock_data_single_process():
-    losses, _ = pretrain(1, "--mock-data", "--train-iters", "2")
-    assert sorted(losses) == [1, 2]
-
-
-def test_level1_flags_through_megatron_training():
-    """The level-1 flags on a real megatron.training command line: every feature is applied (one
-    notice each) and the run trains; the numerics are checked in tests/distributed/test_level1_parity.py."""
-    flags = (
-        "--optimization-level 1 --use-fused-rmsnorm --use-fused-swiglu --use-fused-rotary-pos-emb "
-        "--use-flash-attn --normalization RMSNorm --swiglu --position-embedding-type rope --disable-bias-linear"
-    ).split()
-    model = [a for a in MODEL if a != "--no-bias-swiglu-fusion"]  # the fused SwiGLU rides on that fusion
-    losses, output = pretrain(1, "--mock-data", "--train-iters", "2", *flags, model=model)
-    assert sorted(losses) == [1, 2]
-    for feature in ("fused_rmsnorm", "fused_swiglu", "fused_rope", "flash_attn", "grad_accum_fusion"):
-        assert f"{feature} (level 1) applied" in output, feature

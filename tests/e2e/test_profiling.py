@@ -9,6 +9,7 @@ written; a bad flag stops the run before its first iteration.
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,13 +52,41 @@ def test_mindspeed_flags_tp2_pp2_profile_ranks_0_and_2_steps_2_and_3(tmp_path):
     assert "--profile: True -> False (hyper_adaptor's profiler records steps [2, 4) on ranks 0, 2" in output
 
 
-def test_megatron_flags_use_pytorch_profiler_writes_where_megatron_does(tmp_path):
-    board = tmp_path / "runs" / "tb"
-    _, output = pretrain(
-        1, *DATA, "--train-iters", "3", "--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-shapes",
-        "--profile-step-start", "1", "--profile-step-end", "3", "--tensorboard-dir", str(board),
-    )
-    written = sorted((tmp_path / "runs" / "torch_profile").iterdir())
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The module's one-process runs, started together (each is mostly megatron's start-up, on one core):
+    name -> (directory, (losses, output) or the AssertionError of a run that failed)."""
+    root = tmp_path_factory.mktemp("one_process")
+    runs = {
+        "megatron": (root / "megatron", [
+            *DATA, "--train-iters", "3", "--profile", "--use-pytorch-profiler", "--pytorch-profiler-collect-shapes",
+            "--profile-step-start", "1", "--profile-step-end", "3",
+            "--tensorboard-dir", str(root / "megatron" / "tb")]),
+        # megatron's loader workers on (no --num-workers 0): this is also the suite's plain one-process
+        # --mock-data run
+        "without": (root / "without", ["--mock-data", "--train-iters", "2", "--profile-save-path",
+                                       str(root / "without"), "--profile-level", "level2"]),
+        "bad": (root / "bad", [*DATA, "--train-iters", "2", "--profile", "--profile-step-start", "0",
+                               "--profile-step-end", "1", "--profile-ranks", "3", "--profile-save-path",
+                               str(root / "bad")]),
+    }
+
+    def launch(args):
+        try:
+            return pretrain(1, *args)
+        except AssertionError as failed:
+            return failed
+
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = {name: (path, pool.submit(launch, args)) for name, (path, args) in runs.items()}
+        return {name: (path, future.result()) for name, (path, future) in futures.items()}
+
+
+def test_megatron_flags_use_pytorch_profiler_writes_where_megatron_does(one_process):
+    path, run = one_process["megatron"]
+    assert not isinstance(run, AssertionError), str(run)[-3000:]
+    _, output = run
+    written = sorted((path / "torch_profile").iterdir())
     assert [p.name for p in written] == ["rank0.steps1-2.pt.trace.json"]
     events = trace(written[0])
     assert steps(events) == ["ProfilerStep#1", "ProfilerStep#2"]
@@ -65,14 +94,13 @@ def test_megatron_flags_use_pytorch_profiler_writes_where_megatron_does(tmp_path
     assert "[profile] rank 0: steps 1-2" in output
 
 
-def test_without_profile_nothing_is_written_and_bad_input_stops_before_training(tmp_path):
-    save = tmp_path / "profile"
-    losses, output = pretrain(1, *DATA, "--train-iters", "2", "--profile-save-path", str(save),
-                              "--profile-level", "level2")
+def test_without_profile_nothing_is_written_and_bad_input_stops_before_training(one_process):
+    save, run = one_process["without"]
+    assert not isinstance(run, AssertionError), str(run)[-3000:]
+    losses, output = run
     assert sorted(losses) == [1, 2] and not save.exists() and "[profile]" not in output
 
-    with pytest.raises(AssertionError) as failed:
-        pretrain(1, *DATA, "--train-iters", "2", "--profile", "--profile-step-start", "0",
-                 "--profile-step-end", "1", "--profile-ranks", "3", "--profile-save-path", str(save))
-    assert "--profile-ranks 3: outside the world of 1 processes" in str(failed.value)
-    assert not re.search(r"iteration\s+1/", str(failed.value)) and not save.exists()
+    save, failed = one_process["bad"]
+    assert isinstance(failed, AssertionError), failed[1][-3000:]
+    assert "--profile-ranks 3: outside the world of 1 processes" in str(failed)
+    assert not re.search(r"iteration\s+1/", str(failed)) and not save.exists()
