@@ -77,7 +77,9 @@ def flatten_tensors(obj) -> list[torch.Tensor]:
 
 
 def _storage_ptrs(module: torch.nn.Module):
-    return (t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers()))
+    # a DTensor parameter (tensor parallel) is a wrapper without storage of its own: its local tensor has it
+    return (getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
+            for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 class _Entry:

@@ -83,3 +83,33 @@ def build_mesh(dp_group: dist.ProcessGroup | None, shard_size: int, device_type:
     result = HSDPMesh(dp_group, shard_group, replicate_group, mesh, dp_size, shard_size, position % shard_size)
     _CACHE[key] = result
     return result
+
+
+_TP_CACHE: dict = {}
+
+
+def with_tensor_parallel(hsdp_mesh: HSDPMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh the shards of tensor-parallel parameters live on: HSDP's dims, then ``tp_mesh``'s.
+
+    Each data-parallel member's TP ranks, gathered over the data-parallel group, are the rows of the
+    layout (every data-parallel group of the world is cut the same way, so no world-wide call)."""
+    tp_group = tp_mesh.get_group()
+    key = (id(hsdp_mesh), id(tp_group))
+    cached = _TP_CACHE.get(key)
+    if cached is not None and cached[0] is hsdp_mesh:
+        return cached[1]
+    tp_ranks = tp_mesh.mesh.tolist()
+    rows = [None] * hsdp_mesh.dp_size
+    dist.all_gather_object(rows, tp_ranks, group=hsdp_mesh.dp_group)
+    if any(len(row) != len(tp_ranks) for row in rows):
+        raise ValueError(f"hsdp: every data-parallel rank must have a tensor-parallel mesh of the same size; "
+                         f"got TP rank lists {rows}")
+    layout = torch.tensor(rows)
+    if hsdp_mesh.replicate_group is None:
+        groups, names = [hsdp_mesh.shard_group, tp_group], ("shard", "tp")
+    else:
+        layout = layout.view(hsdp_mesh.replicas, hsdp_mesh.shard_size, len(tp_ranks))
+        groups, names = [hsdp_mesh.replicate_group, hsdp_mesh.shard_group, tp_group], ("replicate", "shard", "tp")
+    mesh = DeviceMesh.from_group(groups, tp_mesh.device_type, mesh=layout, mesh_dim_names=names)
+    _TP_CACHE[key] = (hsdp_mesh, mesh)
+    return mesh

@@ -16,6 +16,17 @@ Memory, per level (Ψ elements, N shard ranks, same dtype for compute and master
 * level 3: only the shard and its gradient are kept; the full parameter is gathered for forward and
   again for backward, and released after each (ZeRO-3).
 With a separate compute dtype (mixed precision) the shard is its own master-dtype buffer.
+
+Tensor parallel (a parameter that is a DTensor on a 1-D TP mesh, as torch's ``parallelize_module``
+leaves it): everything above applies to its TP-local tensor, which is sharded over the data-parallel
+ranks along dim 0. The full copy stays a DTensor with the TP placement (what the TP module computes
+with); the shard is a DTensor on the (data-parallel dims..., tp) mesh. Where TP also shards dim 0
+(``ColwiseParallel``), this rank's rows are a sub-chunk of its TP chunk: chunk t over TP first, then
+chunk d over data parallel, the reverse of DTensor's left-to-right order for ``(Shard(0), Shard(0))``,
+so the data-parallel placement is ``_StridedShard(0, split_factor=TP)`` (FSDP2's choice for the same
+layout), under which optimizers, ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` see the true
+global offsets. A plain parameter of such a module (a norm weight without sequence parallel) is
+replicated over TP; it is placed ``Replicate()`` on the tp dim so that every shard lives on one mesh.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_adaptor.parallel.hsdp._config import HSDPConfig
 from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
@@ -32,12 +44,24 @@ from hyper_adaptor.parallel.hsdp._mesh import HSDPMesh
 
 class HSDPParam:
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], config: HSDPConfig,
-                 mesh: HSDPMesh, device: torch.device):
+                 mesh: HSDPMesh, device: torch.device, tp=None):
         self.owners = owners
         self.fqn = owners[0][1]
         self.config = config
         self.mesh = mesh
-        self.shape = param.shape
+        # tp: None, or (tp DeviceMesh, the (dp dims..., tp) DeviceMesh the shards live on)
+        self.tp_mesh, self.shard_mesh = tp if tp is not None else (None, mesh.device_mesh)
+        self.global_shape = param.shape
+        self.tp_placements = None
+        # the full copy is a DTensor only where the module had one; a plain parameter of a TP module
+        # stays plain for the module, only its shard is placed on the (dp..., tp) mesh
+        self.is_tp = isinstance(param, DTensor)
+        if self.is_tp:
+            self.tp_placements = tuple(param.placements)
+            param = param.to_local()
+        elif self.tp_mesh is not None:
+            self.tp_placements = (Replicate(),)
+        self.shape = param.shape  # the TP-local shape: what is sharded over data parallel
         self.master_dtype = param.dtype
         self.compute_dtype = config.param_dtype or param.dtype
         self.reduce_dtype = config.reduce_dtype or self.compute_dtype
@@ -64,10 +88,14 @@ class HSDPParam:
         data = param.detach().to(device)
         # The full copy is one leaf Parameter object for the whole run: autograd saves it for backward,
         # hooks are attached to it, and level 3 frees / refills its storage in place.
-        self.full = nn.Parameter(data.to(self.compute_dtype, copy=True), requires_grad=param.requires_grad)
+        full = data.to(self.compute_dtype, copy=True)
+        if self.is_tp:
+            full = DTensor.from_local(full, self.tp_mesh, self.tp_placements, run_check=False,
+                                      shape=self.global_shape, stride=_contiguous_stride(self.global_shape))
+        self.full = nn.Parameter(full, requires_grad=param.requires_grad)
         if self.aliased:
-            local = (self.full.data[self.row_start : self.row_start + self.local_rows] if self.sharded
-                     else self.full.data)
+            local = (self.full_data[self.row_start : self.row_start + self.local_rows] if self.sharded
+                     else self.full_data)
         else:
             local = self._own_rows(data).to(self.shard_device, self.master_dtype, copy=True)
         self.local = local
@@ -84,6 +112,11 @@ class HSDPParam:
             self.free_full()
 
     # -- views -------------------------------------------------------------------------------------
+    @property
+    def full_data(self) -> torch.Tensor:
+        """The full copy's local tensor without autograd (``.data``; under TP, the TP-local one)."""
+        return self.full._local_tensor if self.is_tp else self.full.data
+
     def _own_rows(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.sharded:
             return tensor
@@ -96,14 +129,15 @@ class HSDPParam:
             # ``from_local`` re-derives the spec each call, once per gradient per step (its cost:
             # docs/features/hsdp.md, Design, "Copies").
             return DTensor(local, spec, requires_grad=False)
-        ndim = self.mesh.device_mesh.ndim
-        if self.sharded:
-            placements = [Replicate()] * (ndim - 1) + [Shard(0)]
-        else:
-            placements = [Replicate()] * ndim
+        dp_ndim = self.mesh.device_mesh.ndim
+        tp = list(self.tp_placements or ())
+        dp = Shard(0)
+        if any(pl.is_shard(0) for pl in tp):
+            dp = _StridedShard(0, split_factor=self.tp_mesh.size())  # TP chunk first, then ours: see the module doc
+        placements = [Replicate()] * (dp_ndim - 1) + [dp if self.sharded else Replicate()] + tp
         out = DTensor.from_local(
-            local, self.mesh.device_mesh, placements, run_check=False, shape=self.shape,
-            stride=torch.empty(self.shape, device="meta").stride(),
+            local, self.shard_mesh, placements, run_check=False, shape=self.global_shape,
+            stride=_contiguous_stride(self.global_shape),
         )
         self._specs[local.dtype] = out._spec
         return out
@@ -118,7 +152,7 @@ class HSDPParam:
 
     # -- parameter gathering -----------------------------------------------------------------------
     def needs_gather(self) -> bool:
-        if self.config.reshard_after_forward and self.full.untyped_storage().size() == 0:
+        if self.config.reshard_after_forward and self.full_data.untyped_storage().size() == 0:
             return True
         return self.stale
 
@@ -129,20 +163,21 @@ class HSDPParam:
         out[n:].zero_()
 
     def alloc_full(self) -> None:
-        storage = self.full.untyped_storage()
-        needed = self.full.numel() * self.full.element_size()
+        data = self.full_data
+        storage = data.untyped_storage()
+        needed = data.numel() * data.element_size()
         if storage.size() != needed:
             storage.resize_(needed)
 
     def free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        self.full_data.untyped_storage().resize_(0)
 
     def write_gathered(self, rank_major: torch.Tensor) -> None:
         """``rank_major`` is (S, chunk_numel): every rank's padded rows; keep the unpadded ones."""
         self.alloc_full()
         with torch.no_grad():
             # .data: the version counter of the leaf autograd saved must not move
-            _blocks_to_flat(rank_major, self.full.data.view(-1))
+            _blocks_to_flat(rank_major, self.full_data.view(-1))
         self.stale = False
 
     def refresh_unsharded(self) -> None:
@@ -150,7 +185,7 @@ class HSDPParam:
         self.alloc_full()
         if not self.aliased:
             with torch.no_grad():
-                self.full.data.copy_(self.local)
+                self.full_data.copy_(self.local)
         self.stale = False
 
     # -- gradients ---------------------------------------------------------------------------------
@@ -164,7 +199,7 @@ class HSDPParam:
         backwards in one step), it is stashed so the next reduction adds to it exactly."""
         if self.grad_state == "reduced" and self.config.keeps_full_grads and self.full.grad is not None:
             if self.sharded_param.grad is not None:
-                self._stash = self._own_rows(self.full.grad.data).clone()
+                self._stash = self._own_rows(self._full_grad_local()).clone()
             self.full.grad = None
             self.grad_state = "empty"
         return grad
@@ -172,7 +207,7 @@ class HSDPParam:
     def reduce_input(self, slot: torch.Tensor) -> None:
         """Write the full gradient, padded, into ``slot`` ((S, chunk_numel), possibly a strided
         column block of a fused bucket); zeros when this backward produced no gradient for it."""
-        grad = self.full.grad
+        grad = self._full_grad_local() if self.full.grad is not None else None
         if grad is None:
             slot.zero_()
         else:
@@ -182,7 +217,7 @@ class HSDPParam:
         """``local_grad_flat``: this rank's reduced (summed and scaled) padded rows."""
         local = local_grad_flat[: self.local.numel()].view(self.local.shape)
         if self.config.keeps_full_grads and self.full.grad is not None:
-            full_grad = self.full.grad.data
+            full_grad = self._full_grad_local()
             mine = self._own_rows(full_grad)
             mine.copy_(local)
             if self._stash is not None:
@@ -209,6 +244,15 @@ class HSDPParam:
             self.full.grad = None
         self.grad_state = "reduced"
 
+    def _full_grad_local(self) -> torch.Tensor:
+        """The full gradient's TP-local tensor, in the parameter's own TP placement: one that autograd
+        left ``Partial`` (a replicated weight applied to a sequence-sharded input) is replaced by its
+        reduction over TP, once, so that level 1 reads back the rows it writes into it."""
+        grad = self.full.grad
+        if isinstance(grad, DTensor) and tuple(grad.placements) != self.tp_placements:
+            self.full.grad = grad = grad.redistribute(self.tp_mesh, self.tp_placements)
+        return grad._local_tensor if isinstance(grad, DTensor) else grad.data
+
     def zero_grad(self) -> None:
         self.sharded_param.grad = None
         if self.full.grad is not None:
@@ -218,6 +262,10 @@ class HSDPParam:
                 self.full.grad = None
         self._stash = None
         self.grad_state = "empty"
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
 
 
 def _flat_to_blocks(flat: torch.Tensor, blocks: torch.Tensor) -> None:

@@ -103,14 +103,14 @@ def _managed_registrations(module: nn.Module) -> list[tuple[nn.Parameter, list[t
 
 class HSDPState:
     def __init__(self, module: nn.Module, config: HSDPConfig, mesh: HSDPMesh, device: torch.device,
-                 pool: HostBufferPool):
+                 pool: HostBufferPool, tp=None):
         self.module = module
         self.config = config
         self.mesh = mesh
         self.pool = pool
         self.params: list[HSDPParam] = []
         for param, owners in _managed_registrations(module):
-            hp = HSDPParam(param, owners, config, mesh, device)
+            hp = HSDPParam(param, owners, config, mesh, device, tp)
             hp.register_sharded()
             self.params.append(hp)
         self.buckets: list[Bucket] = make_buckets(self.params, mesh, config, pool)

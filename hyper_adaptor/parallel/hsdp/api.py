@@ -3,6 +3,8 @@ methods every wrapped module gains.
 
 Wrap inner blocks first, then the root (each call manages the parameters not already managed by
 a nested call), and build the optimizer afterwards: ``module.parameters()`` then yields the shards.
+Apply tensor parallel before: parameters that are DTensors on a 1-D tp mesh are sharded over data
+parallel on their TP-local tensors (``_param.py``), their shards placed on the (dp dims..., tp) mesh.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hyper_adaptor import platform
 from hyper_adaptor.parallel.hsdp._config import DEFAULT_BUCKET_KB, HSDPConfig, MixedPrecisionPolicy, OffloadPolicy
-from hyper_adaptor.parallel.hsdp._mesh import build_mesh
+from hyper_adaptor.parallel.hsdp._mesh import build_mesh, with_tensor_parallel
 from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 from hyper_adaptor.parallel.hsdp._state import HSDPState, sync_all
 
@@ -84,6 +88,26 @@ def _states_of(cells, method: str) -> list[HSDPState]:
     return [cell._hsdp_state for cell in cells]
 
 
+def _tensor_parallel_mesh(module: nn.Module):
+    """The 1-D mesh the not yet managed DTensor parameters of ``module`` are tensor-parallel over
+    (torch's ``parallelize_module`` on ``mesh["tp"]``), or None when it has none."""
+    meshes = []
+    for _, sub in module.named_modules():
+        for name, param in sub._parameters.items():
+            if isinstance(param, DTensor) and not hasattr(param, "_hsdp_param"):
+                if param.device_mesh.ndim != 1:
+                    raise ValueError(
+                        f"hsdp: parameter {name!r} of {type(sub).__name__} is a DTensor on a "
+                        f"{param.device_mesh.ndim}-D mesh; tensor-parallel parameters must live on the 1-D "
+                        f"tp mesh (parallelize_module(..., mesh['tp'], ...))")
+                if all(m != param.device_mesh for m in meshes):
+                    meshes.append(param.device_mesh)
+    if len(meshes) > 1:
+        raise ValueError(f"hsdp: the DTensor parameters of one wrapped module must share one tp mesh; got "
+                         f"{[m.mesh.tolist() for m in meshes]}")
+    return meshes[0] if meshes else None
+
+
 def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int,
           buffer_pool: HostBufferPool | None) -> nn.Module:
     if not isinstance(module, nn.Module):
@@ -98,8 +122,16 @@ def _wrap(module: nn.Module, config: HSDPConfig, group, shard_size: int,
     config.validate(dp_size)
     device_type = platform.device_type()
     mesh = build_mesh(group, shard_size, device_type)
+    tp_mesh = _tensor_parallel_mesh(module)
+    tp = None
+    if tp_mesh is not None:
+        dp_ranks = set(dist.get_process_group_ranks(mesh.dp_group))
+        if dp_ranks & set(tp_mesh.mesh.tolist()) != {dist.get_rank()}:
+            raise ValueError(f"hsdp: the data-parallel group {sorted(dp_ranks)} must meet the tensor-parallel "
+                             f"mesh {tp_mesh.mesh.tolist()} in this rank only (shard over dp, not over tp)")
+        tp = (tp_mesh, with_tensor_parallel(mesh, tp_mesh))
     device = platform.current_device(device_type)
-    state = HSDPState(module, config, mesh, device, buffer_pool if buffer_pool is not None else mesh.pool)
+    state = HSDPState(module, config, mesh, device, buffer_pool if buffer_pool is not None else mesh.pool, tp)
     # the outermost wrapped module casts inputs; nested ones are never root
     for sub in module.modules():
         if sub is not module and isinstance(sub, HSDPModule):
@@ -147,21 +179,23 @@ def hsdp(module: nn.Module, shard_size: int = -1, threshold: float = 64, optimiz
 
 def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = True,
                 mixed_precision: MixedPrecisionPolicy | None = None, offload_policy: OffloadPolicy | None = None,
-                comm_fusion: bool = True, bucket_size: float = DEFAULT_BUCKET_KB,
-                gloo_reduce_scatter_as_all_to_all: bool = True,
+                comm_fusion: bool = True, comm_fusion_zero_copy: bool | None = None,
+                bucket_size: float = DEFAULT_BUCKET_KB, gloo_reduce_scatter_as_all_to_all: bool = True,
                 gloo_all_gather_as_all_to_all: bool = True, buffer_pool: HostBufferPool | None = None) -> nn.Module:
-    """FSDP2-style entry: ``reshard_after_forward=True`` is level 3, False level 2; ``mesh`` is a
-    1-D DeviceMesh (shard over it) or a 2-D (replicate, shard) one (HSDP); None: the world. The
-    gloo switches, ``bucket_size`` and ``buffer_pool`` are :func:`hsdp`'s."""
-    if mesh is None:
-        group, shard_size = None, -1
-    elif mesh.ndim == 1:
-        group, shard_size = mesh.get_group(0), -1
-    elif mesh.ndim == 2:
-        group = _flat_group(mesh)
-        shard_size = mesh.size(1)
-    else:
-        raise ValueError(f"fully_shard: mesh must be 1-D or 2-D (replicate, shard); got {mesh.ndim}-D")
+    """FSDP2-style entry (HyperParallel's signature): ``reshard_after_forward=True`` is level 3, False
+    level 2. ``mesh``: None (the world), a 1-D DeviceMesh (shard over it), a 2-D (replicate, shard) one
+    (HSDP), or one whose last dim is the tp mesh of the module's tensor-parallel DTensor parameters:
+    (dp, tp) shards each TP-local tensor over dp, (replicate, shard, tp) adds replicas. Tensor-parallel
+    parameters are found by themselves with any mesh (a 1-D dp mesh beside them works too).
+    ``comm_fusion_zero_copy`` is accepted for HyperParallel's signature: the fused buckets already are
+    rank-major buffers the collectives read and write in place (see ``_bucket.py``), so there is no
+    copy for it to remove; it must be None or a bool. The gloo switches, ``bucket_size`` and
+    ``buffer_pool`` are :func:`hsdp`'s."""
+    if comm_fusion_zero_copy is not None and not isinstance(comm_fusion_zero_copy, bool):
+        raise ValueError(f"fully_shard: comm_fusion_zero_copy must be None or a bool; got {comm_fusion_zero_copy!r}")
+    if not isinstance(comm_fusion, bool):
+        raise ValueError(f"fully_shard: comm_fusion must be a bool; got {comm_fusion!r}")
+    group, shard_size = _groups_of(module, mesh)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"fully_shard: reshard_after_forward must be a bool; got {reshard_after_forward!r}")
     mp = mixed_precision or MixedPrecisionPolicy()
@@ -179,11 +213,36 @@ def fully_shard(module: nn.Module, mesh=None, *, reshard_after_forward: bool = T
     return _wrap(module, config, group, shard_size, buffer_pool)
 
 
-def _flat_group(mesh) -> dist.ProcessGroup:
-    ranks = mesh.mesh.flatten().tolist()
-    if sorted(ranks) == list(range(dist.get_world_size())):
+def _groups_of(module: nn.Module, mesh) -> tuple:
+    """(data-parallel group, shard size) of ``fully_shard``'s mesh; a last dim that is the tp mesh of
+    the module's DTensor parameters is not data parallel and is left out."""
+    if mesh is None:
+        return None, -1
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"fully_shard: mesh must be None or a DeviceMesh; got {type(mesh).__name__}")
+    dims = list(range(mesh.ndim))
+    tp_mesh = _tensor_parallel_mesh(module) if isinstance(module, nn.Module) else None
+    if tp_mesh is not None and mesh.ndim > 1:
+        last = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
+        if sorted(last) == sorted(tp_mesh.mesh.tolist()):
+            dims = dims[:-1]
+    if len(dims) == 1:
+        return mesh.get_group(dims[0]), -1
+    if len(dims) == 2:
+        return _flat_group(mesh, dims), mesh.size(dims[1])
+    raise ValueError(f"fully_shard: mesh must be 1-D, 2-D (replicate, shard), or either with the tp dim "
+                     f"last; got {mesh.ndim}-D with dims {mesh.mesh_dim_names}")
+
+
+def _flat_group(mesh, dims) -> dist.ProcessGroup:
+    """One group over the (replicate, shard) dims of ``mesh``."""
+    if mesh.ndim == 2 and sorted(mesh.mesh.flatten().tolist()) == list(range(dist.get_world_size())):
         return dist.group.WORLD
-    raise ValueError("fully_shard: a 2-D mesh must span the whole world (use hsdp(group=...) for subgroups)")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard: a mesh with replicate, shard and tp dims, or a 2-D one that is not the "
+                         "whole world, needs mesh_dim_names (its data-parallel dims are flattened into one group)")
+    return mesh[tuple(names[d] for d in dims)]._flatten().get_group()
 
 
 def hsdp_sync_stream() -> None:
@@ -206,14 +265,17 @@ def grad_sq_sum(grads) -> torch.Tensor:
     for grad in grads:
         local = grad.to_local() if isinstance(grad, DTensor) else grad
         sq = local.detach().double().pow(2).sum()
-        dims = [i for i, pl in enumerate(grad.placements) if pl.is_shard()] if isinstance(grad, DTensor) else []
+        dims = [i for i, pl in enumerate(grad.placements) if pl.is_shard() or isinstance(pl, _StridedShard)
+                ] if isinstance(grad, DTensor) else []
         if dims:
-            group = grad.device_mesh.get_group(dims[0])
-            sharded[group] = sharded[group] + sq if group in sharded else sq
+            # sharded over several mesh dims (dp x tp): summed over each of their groups in turn
+            groups = tuple(grad.device_mesh.get_group(d) for d in dims)
+            sharded[groups] = sharded[groups] + sq if groups in sharded else sq
         else:
             total += sq
-    for group, sq in sharded.items():
-        dist.all_reduce(sq, group=group)
+    for groups, sq in sharded.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
         total += sq
     return total
 
