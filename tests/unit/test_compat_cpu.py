@@ -190,3 +190,20 @@ def test_rope_slice_per_context_parallel_rank_runs_on_the_host():
     assert get_pos_emb_on_this_cp_rank(positions, 0, cp_group).flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
     with pytest.raises(RuntimeError, match="pin_memory"):  # what megatron's index tensor hits unpatched
         original("torch.tensor")([1, 2], device="cpu", pin_memory=True)
+
+
+def test_default_device_context_still_reaches_the_wrapped_factories():
+    """``with torch.device("meta")`` (meta-device model building) must not be silently turned into real host
+    allocations by level 0's factory wraps (torch recognises factories by identity). A fresh interpreter:
+    in this one the set torch builds may already exist from before the adaptor."""
+    import subprocess
+    import sys
+
+    code = ("import torch, hyper_adaptor.megatron_adaptor\n"
+            "with torch.device('meta'):\n"
+            "    w = torch.nn.Linear(4, 4).weight\n"
+            "    z = torch.zeros(3)\n"
+            "print(w.device, z.device, torch.zeros(2, device='cuda').device)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-3:] == ["meta", "meta", "cpu"], done.stdout[-500:]

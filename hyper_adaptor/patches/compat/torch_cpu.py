@@ -30,6 +30,7 @@ import threading
 import types
 
 import torch
+import torch.utils._device as torch_device_context
 
 from hyper_adaptor import platform
 from hyper_adaptor.patch_manager import Patch
@@ -220,6 +221,12 @@ def torch_patches() -> list[Patch]:
     # megatron reaches these through attribute access on torch / torch.cuda; inside torch.cuda the
     # same functions are also bound in submodules (torch.cuda.random.get_rng_state, ...).
     no_rebind = ()
+    # torch's default-device context (``with torch.device("meta")``) tells factories apart by identity, in
+    # a set it builds once on first use (torch.utils._device._device_constructors, private: checked on torch
+    # 2.13). Built while the wraps below are in place it would hold the wrappers, not the functions the
+    # context sees called, and every factory would ignore the context (meta-device models built for real).
+    # Building it now, before any wrap, keeps torch's own functions in it.
+    torch_device_context._device_constructors()
     patches = [
         Patch(f"torch.cuda.{name}", _own_copy(impl, name), "replace", FEATURE, rebind_in=("torch.cuda",))
         for name, impl in CUDA_NAMESPACE.items()
