@@ -1,12 +1,10 @@
 """HyperParallel's Layout usage on CPU: a mesh with named axes, parameters sharded by ``shard_module``,
-materialised shard by shard by ``init_parameters``, inputs made DTensors with ``from_local(local, layout)``.
+materialised shard by shard by ``init_parameters``, inputs made DTensors with ``DTensor.from_local(local, layout)``.
 
     torchrun --nproc_per_node 2 examples/hyperparallel/layout_example.py [--steps 3]
 
 A two-layer MLP in Megatron's tensor-parallel split (first weight by rows, second by columns) over a "tp"
 axis of all ranks. Rank 0 also trains the same model unsharded and prints both losses: they agree.
-HyperParallel spells the input step ``DTensor.from_local(local, layout)``; ``DTensor`` here is torch's own
-class (every DTensor op returns it), so the layout-taking form is the function ``from_local``.
 """
 
 import argparse
@@ -17,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_adaptor.parallel import (
+    DTensor,
     Layout,
     Replicate,
     destroy_process_group,
@@ -25,7 +24,6 @@ from hyper_adaptor.parallel import (
     init_process_group,
     shard_module,
 )
-from hyper_adaptor.parallel.tensor import from_local
 
 DIM, HIDDEN, BATCH = 16, 64, 8
 
@@ -66,7 +64,7 @@ def main() -> None:
     y = torch.randn(BATCH, DIM, generator=data)
     replicated = layout("None", "None")
     for step in range(args.steps):
-        out = model(from_local(x, replicated))   # every rank holds the whole input
+        out = model(DTensor.from_local(x, replicated))   # every rank holds the whole input
         full = out.redistribute(placements=[Replicate()]).to_local()
         loss = nn.functional.mse_loss(full, y)
         loss.backward()

@@ -22,27 +22,26 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from hyper_adaptor.memory import checkpoint_wrapper, swap_wrapper
-from hyper_adaptor.parallel.context import ContextParallel
-from hyper_adaptor.parallel.hsdp import hsdp
-from hyper_adaptor.parallel.pipeline import (
+from hyper_adaptor.parallel import (
+    ColwiseParallel,
+    ContextParallel,
     PipelineStage,
+    PrepareModuleInput,
+    Replicate,
+    RowwiseParallel,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleZBH1,
     ScheduleZBV,
+    SequenceParallel,
+    Shard,
+    init_device_mesh,
+    parallelize_module,
 )
+from hyper_adaptor.parallel.hsdp import hsdp
 from hyper_adaptor.testing.llama import Llama, loss_fn, split_stage
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "zbh1": ScheduleZBH1,

@@ -1,6 +1,5 @@
 """examples/hyperparallel/: HyperParallel's usage examples run as written, on 2 CPU ranks through torchrun."""
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -14,7 +13,6 @@ from hyper_adaptor.testing import free_port
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 STEP = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)(?: single-process ([0-9.eE+-]+))?$", re.M)
-TENSOR_PRESENT = importlib.util.find_spec("hyper_adaptor.parallel.tensor") is not None
 
 
 def run_example(name: str, *args: str, nproc: int = 2, timeout: int = 240) -> list[tuple]:
@@ -47,7 +45,6 @@ def test_pipeline_example_trains_with_1f1b_and_gpipe_alike():
     assert losses == pytest.approx([loss for _, loss, _ in gpipe], rel=1e-5)
 
 
-@pytest.mark.skipif(not TENSOR_PRESENT, reason="hyper_adaptor.parallel.tensor not present")
 def test_layout_example_matches_one_process():
     steps = run_example("layout_example.py", "--steps", "3")
     assert len(steps) == 3

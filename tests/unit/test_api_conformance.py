@@ -2,8 +2,6 @@
 ported call relies on (name, kind, default), enum members and values, methods. Names that cannot fit a
 torch library are listed as not served with the reason, and every name of the table must appear in
 docs/features/library.md.
-
-Entries of ``hyper_adaptor.parallel.tensor`` are skipped while that package is absent (it lands separately).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ ANY = object()          # default not checked (torch's own signature spells it i
 POS, KW, ARGS, KWARGS = "pos", "kw", "*args", "**kwargs"
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "features" / "library.md"
 TENSOR = "hyper_adaptor.parallel.tensor"
-TENSOR_PRESENT = importlib.util.find_spec(TENSOR) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +49,9 @@ SERVED = [
     Ref("init_device_mesh", TENSOR, (("device_type", POS, REQUIRED), ("mesh_shape", POS, REQUIRED),
                                      ("mesh_dim_names", KW, ANY))),
     Ref("get_current_mesh", TENSOR),
-    Ref("DTensor", TENSOR, methods={"from_local": (), "to_local": (), "redistribute": (), "full_tensor": ()}),
+    Ref("DTensor", TENSOR, methods={"from_local": (("local_tensor", POS, REQUIRED), ("?", POS, ANY)),
+                                    "to_local": (), "redistribute": (), "full_tensor": (), "is_partial": (),
+                                    "reduce_partial": ()}),
     Ref("is_partial", TENSOR), Ref("reduce_partial", TENSOR),
     Ref("Shard", TENSOR), Ref("Replicate", TENSOR), Ref("Partial", TENSOR), Ref("Placement", TENSOR),
     Ref("distribute_tensor", TENSOR), Ref("distribute_module", TENSOR, (("module", POS, REQUIRED),
@@ -171,19 +170,6 @@ NOT_SERVED = [
 ALL = SERVED + ALIASES + DIFFERS + NOT_SERVED
 
 
-# Parameters another branch adds: skipped only while the parameter is still absent.
-PENDING = {"fully_shard": ("comm_fusion_zero_copy", "fully_shard's comm_fusion_zero_copy lands with the HSDP work")}
-
-
-def _skip_absent(ref: Ref):
-    if ref.home == TENSOR and not TENSOR_PRESENT:
-        pytest.skip("hyper_adaptor.parallel.tensor not present")
-    if ref.name in PENDING:
-        param, reason = PENDING[ref.name]
-        if param not in inspect.signature(_obj(ref)).parameters:
-            pytest.skip(reason)
-
-
 def _obj(ref: Ref):
     return getattr(importlib.import_module(ref.home), ref.name)
 
@@ -224,7 +210,6 @@ def _check_params(where: str, fn, spec) -> None:
 @pytest.mark.parametrize("ref", [r for r in ALL if r.status in ("served", "alias", "differs")],
                          ids=lambda r: f"{r.status}-{r.name}")
 def test_name_is_exported_with_its_signature(ref):
-    _skip_absent(ref)
     obj = _obj(ref)
     if ref.params:
         _check_params(ref.name, obj, ref.params)
@@ -277,8 +262,6 @@ def test_the_import_surface_re_exports_every_public_name():
     import hyper_adaptor.parallel as parallel
 
     for sub in SURFACES["hyper_adaptor.parallel"]:
-        if sub == "tensor" and not TENSOR_PRESENT:
-            continue
         module = importlib.import_module(f"hyper_adaptor.parallel.{sub}")
         names = set(module.__all__) - {"hsdp"}   # the attribute hsdp of the package is the subpackage
         assert names <= set(parallel.__all__), f"{sub}: not re-exported {sorted(names - set(parallel.__all__))}"
@@ -289,7 +272,7 @@ def test_the_import_surface_re_exports_every_public_name():
         for n in module.__all__:
             assert hasattr(module, n), f"{surface}.__all__ names {n}, which is missing"
     for r in SERVED:
-        if r.home in SURFACES and (r.home != TENSOR or TENSOR_PRESENT):
+        if r.home in SURFACES:
             assert r.name in importlib.import_module(r.home).__all__, f"{r.name} not in {r.home}.__all__"
 
 

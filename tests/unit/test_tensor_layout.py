@@ -89,6 +89,21 @@ def test_mesh_current_and_axis_size(world1):
     assert not T.is_partial(d)
 
 
+def test_dtensor_is_torchs_class_under_hyperparallels_name(world1):
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    layout = T.Layout((1, 1), ("dp", "tp"))
+    x = torch.arange(6.0).reshape(2, 3)
+    d = T.DTensor.from_local(x, layout("dp", "None"))   # HyperParallel's spelling: a layout, no placements
+    assert type(d) is TorchDTensor and isinstance(d, T.DTensor) and issubclass(TorchDTensor, T.DTensor)
+    assert d.placements == (T.Shard(0), T.Replicate()) and torch.equal(d.full_tensor(), x)
+    assert not isinstance(x, T.DTensor) and not T.DTensor.is_partial(d)
+    same = T.DTensor.from_local(x, d.device_mesh, d.placements)  # torch's spelling still works
+    assert same.placements == d.placements
+    with pytest.raises(ValueError, match="carries its placements"):
+        T.DTensor.from_local(x, layout("dp", "None"), [T.Replicate(), T.Replicate()])
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -9,9 +9,10 @@ sharded activations equals one process.
 """
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from hyper_adaptor.parallel.tensor._dtensor import (
+    DTensor,
     distribute_module,
     distribute_tensor,
     empty,

@@ -1,16 +1,19 @@
 """DTensor entry points that accept a ``TensorLayout`` as well as torch's (mesh, placements).
 
-``DTensor`` itself is torch's class, not a subclass: every DTensor op returns torch's class, so a
-subclass would not survive the first operation and ``isinstance`` checks would disagree. The
-HyperParallel methods torch lacks (``is_partial``, ``reduce_partial``, ``from_local`` with a layout)
-are therefore module functions.
+Every DTensor op returns torch's class, so a DTensor of ours could not survive the first operation.
+``DTensor`` here is therefore torch's class under HyperParallel's name: a subclass that is never
+instantiated, whose type answers ``isinstance`` / ``issubclass`` for torch's class, and whose
+``from_local`` also takes a layout (``DTensor.from_local(local, layout)``, HyperParallel's spelling).
+The methods torch lacks (``is_partial``, ``reduce_partial``) are module functions, reachable as
+``DTensor.is_partial(t)`` too; ``t.is_partial()`` on an instance (torch's class) does not exist.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed.tensor as dt
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor as TorchDTensor
+from torch.distributed.tensor import Partial, Replicate
 
 from hyper_adaptor.parallel.tensor._layout import TensorLayout, resolve
 
@@ -26,7 +29,7 @@ def from_local(local_tensor: torch.Tensor, layout_or_mesh, placements=None, **kw
             for axis in axes:
                 global_shape[dim] *= layout_or_mesh.layout.axis_size(axis)
         layout_or_mesh.check(global_shape)
-    return DTensor.from_local(local_tensor, mesh, placements, **kwargs)
+    return TorchDTensor.from_local(local_tensor, mesh, placements, **kwargs)
 
 
 def distribute_tensor(tensor: torch.Tensor, layout_or_mesh=None, placements=None, *, src_data_rank=0) -> DTensor:
@@ -40,7 +43,7 @@ distribute_module = dt.distribute_module
 
 def is_partial(tensor) -> bool:
     """True when ``tensor`` is a DTensor holding unreduced partial sums on some mesh dim."""
-    return isinstance(tensor, DTensor) and any(isinstance(p, Partial) for p in tensor.placements)
+    return isinstance(tensor, TorchDTensor) and any(isinstance(p, Partial) for p in tensor.placements)
 
 
 def reduce_partial(tensor):
@@ -49,6 +52,32 @@ def reduce_partial(tensor):
         return tensor
     placements = [Replicate() if isinstance(p, Partial) else p for p in tensor.placements]
     return tensor.redistribute(tensor.device_mesh, placements)
+
+
+class _TorchDTensorType(type(TorchDTensor)):
+    """Every torch DTensor is an instance of ours (ours is never instantiated)."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, TorchDTensor)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, TorchDTensor)
+
+
+class DTensor(TorchDTensor, metaclass=_TorchDTensorType):
+    """torch's ``DTensor`` under HyperParallel's name (see the module doc)."""
+
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh=None, placements=None, **kwargs) -> TorchDTensor:
+        """torch's ``DTensor.from_local``; ``device_mesh`` may also be a TensorLayout (then no placements)."""
+        if isinstance(device_mesh, TensorLayout):
+            if placements is not None:
+                raise ValueError("DTensor.from_local: a TensorLayout carries its placements; got placements too")
+            return from_local(local_tensor, device_mesh, **kwargs)
+        return TorchDTensor.from_local(local_tensor, device_mesh, placements, **kwargs)
+
+    is_partial = staticmethod(is_partial)
+    reduce_partial = staticmethod(reduce_partial)
 
 
 def _factory(torch_fn):
