@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hyper_adaptor.testing.measure import CollectiveCounter
+
 SEED = 1234
 LR = 1e-3
 
@@ -69,13 +71,11 @@ FUNCOL_SENT = {
 }
 
 
-class FuncolCounter:
-    """Calls and bytes of funcol collectives while :attr:`phase` is set (nested calls count once)."""
+class FuncolCounter(CollectiveCounter):
+    """:class:`CollectiveCounter` over funcol's collectives (nested calls count once; ``take`` is its)."""
 
     def __init__(self):
-        self.phase: str | None = None
-        self.depth = 0
-        self.counts: dict = {}
+        super().__init__({})
         self._saved: list = []
 
     def __enter__(self) -> FuncolCounter:
@@ -85,7 +85,7 @@ class FuncolCounter:
             fn = getattr(funcol, name, None)
             if fn is not None:
                 self._saved.append((funcol, name, fn))
-                setattr(funcol, name, self._wrap(name, fn, group_at, sent))
+                setattr(funcol, name, self._wrap_funcol(name, fn, group_at, sent))
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -93,7 +93,7 @@ class FuncolCounter:
             setattr(module, name, fn)
         self._saved = []
 
-    def _wrap(self, name, fn, group_at, sent):
+    def _wrap_funcol(self, name, fn, group_at, sent):
         @functools.wraps(fn)
         def counted(*args, **kwargs):
             if self.phase is not None and self.depth == 0:
@@ -109,13 +109,6 @@ class FuncolCounter:
                 self.depth -= 1
 
         return counted
-
-    def take(self) -> dict:
-        out = {phase: {"bytes": sum(v[1] for v in ops.values()),
-                       "ops": {k: {"calls": v[0], "bytes": v[1]} for k, v in sorted(ops.items())}}
-               for phase, ops in self.counts.items()}
-        self.counts = {}
-        return out
 
 
 def theory_tp_bytes(dims: dict, tp: int, micro_batch: int, gathered_logits: bool) -> int:
