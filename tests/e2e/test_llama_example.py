@@ -74,3 +74,16 @@ def test_bad_layouts_name_the_flag(changes, words):
         layout["dp"] = 4 // changes["tp"] if 4 % changes["tp"] == 0 else 1
     with pytest.raises(ValueError, match=re.escape(words)):
         example.ParallelConfig(**layout).validate(4, LlamaConfig())
+
+
+def test_zero_bubble_v_schedule_under_tensor_parallel_trains_the_one_process_model():
+    """PP2 x TP2 under ZBV (two stages per rank in a V, weight gradients deferred): every loss is the whole
+    model's in one process (the one-mesh world checks 1F1B and interleaved the same way)."""
+    from hyper_adaptor.testing.llama import LlamaConfig
+    from tests.distributed.one_mesh_checks import reference
+
+    ref = reference(LlamaConfig(n_layers=4), steps=2)["losses"]
+    losses, _ = torchrun("--pp", "2", "--tp", "2", "--schedule", "zbv", "--layers", "4", "--steps", "2")
+    assert sorted(losses) == [1, 2]
+    for step, loss in losses.items():
+        assert abs(loss - ref[step - 1]) <= 2e-6 * max(1.0, ref[step - 1]), (step, loss, ref[step - 1])
