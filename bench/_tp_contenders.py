@@ -99,9 +99,7 @@ class FuncolCounter(CollectiveCounter):
             if self.phase is not None and self.depth == 0:
                 group = args[group_at] if len(args) > group_at else kwargs.get("group")
                 n = _group_size(group)
-                entry = self.counts.setdefault(self.phase, {}).setdefault(f"funcol.{name}", [0, 0])
-                entry[0] += 1
-                entry[1] += sent(args[0], n) if n > 1 else 0
+                self.record(f"funcol.{name}", sent(args[0], n) if n > 1 else 0)
             self.depth += 1
             try:
                 return fn(*args, **kwargs)

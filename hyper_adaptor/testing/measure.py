@@ -190,9 +190,7 @@ class CollectiveCounter:
                 n = dist.get_world_size(group)
                 label, size = (f"{name} (group of 1, not counted)", 0) if n == 1 else (
                     name, volume(a, n, dist.get_rank(group)))
-                entry = self.counts.setdefault(self.phase, {}).setdefault(label, [0, 0])
-                entry[0] += 1
-                entry[1] += size
+                self.record(label, size)
             self.depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -200,6 +198,12 @@ class CollectiveCounter:
                 self.depth -= 1
 
         return counted
+
+    def record(self, label: str, size: int) -> None:
+        """One call of ``label`` moving ``size`` bytes, in the current phase (for counters of other APIs)."""
+        entry = self.counts.setdefault(self.phase, {}).setdefault(label, [0, 0])
+        entry[0] += 1
+        entry[1] += size
 
     def take(self) -> dict:
         """``{phase: {"bytes": total, "ops": {name: {"calls", "bytes"}}}}`` since the last take."""
