@@ -20,8 +20,9 @@ SHAPES = [(384, 128), (128, 512), (256, 256)]
 
 def _train(device, precision, steps=3, sharded=False):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
-    grads = [[torch.randn(s, device=device) for s in SHAPES] for _ in range(steps)]
+    # drawn on the host, then moved: CUDA's generator draws other numbers than the CPU's for a seed
+    params = [torch.nn.Parameter(torch.randn(s).to(device)) for s in SHAPES]
+    grads = [[torch.randn(s).to(device) for s in SHAPES] for _ in range(steps)]
     if sharded:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
