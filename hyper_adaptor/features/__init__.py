@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hyper_adaptor.features.base import DEFAULT_LEVEL, LEVEL_NAMES, Feature, FeatureConfigError, Flag
+from hyper_adaptor.features.checkpoint import Checkpoint
 from hyper_adaptor.features.compat import Compat
 from hyper_adaptor.features.context_parallel import ContextParallel
 from hyper_adaptor.features.determinism import Determinism
@@ -28,6 +29,7 @@ from hyper_adaptor.features.swap import Swap
 FEATURES: tuple[Feature, ...] = (
     Compat(),
     Determinism(),
+    Checkpoint(),
     Profiling(),
     FusedBackend(),
     FusedRMSNorm(),

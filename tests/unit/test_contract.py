@@ -45,7 +45,7 @@ COMMAND_LINES = {
     "ddp": EVERY + (
         "--bf16", "--pipeline-schedule", "zbv", "--fine-grained-activation-offloading",
         "--moe-token-dispatcher-type", "alltoall", "--moe-dispatcher-engine", "hyper",
-        "--offload-modules", "attn_norm", "core_attn", "--recompute-activation-function"),
+        "--offload-modules", "attn_norm", "core_attn", "--recompute-activation-function", "--save", "checkpoints"),
     # Muon cannot be combined with --optimizer-cpu-offload (the host optimizer serves adam and sgd)
     "muon": EVERY[:EVERY.index("--optimizer-cpu-offload")] + (
         "--optimizer", "muon", "--use-hsdp", "--bf16", "--muon-tp-mode", "distributed"),

@@ -1,0 +1,38 @@
+"""Level 0 — megatron's checkpoints, made to move between layouts and to survive failures
+(docs/features/checkpoints.md).
+
+Requested whenever the run saves or loads (megatron's ``--save`` / ``--load``):
+
+- ``validate`` reads the checkpoint a ``--load`` points at and refuses, before anything is built, a layout
+  transition that cannot work, naming both layouts (``patches/checkpoint/layout.py``);
+- ``patches`` record, beside every saved checkpoint, the layout and features that shaped it, and keep the
+  checkpoint resumed from a complete one (``patches/checkpoint/survival.py``).
+"""
+
+from __future__ import annotations
+
+from hyper_adaptor.features.base import Feature, Flag
+
+
+class Checkpoint(Feature):
+    name = "checkpoint"
+    level = 0
+    summary = ("checkpoints that move between layouts (checked before loading) and survive failures: the layout "
+               "recorded beside each save, only complete checkpoints resumed from")
+    flags = (
+        Flag("--save", "megatron's flag; the checkpoint records its layout", owner="megatron"),
+        Flag("--load", "megatron's flag; checked against this run's layout before loading", owner="megatron"),
+    )
+
+    def requested(self, args) -> bool:
+        return bool(getattr(args, "save", None) or getattr(args, "load", None))
+
+    def validate(self, args) -> None:
+        from hyper_adaptor.patches.checkpoint import layout
+
+        layout.validate(args)
+
+    def patches(self, args):
+        from hyper_adaptor.patches.checkpoint import layout, survival
+
+        return [*layout.patches(args), *survival.patches(args)]
