@@ -5,7 +5,8 @@ Requested whenever the run saves or loads (megatron's ``--save`` / ``--load``):
 
 - ``validate`` reads the checkpoint a ``--load`` points at and refuses, before anything is built, a layout
   transition that cannot work, naming both layouts (``patches/checkpoint/layout.py``);
-- ``patches`` record, beside every saved checkpoint, the layout and features that shaped it, and keep the
+- ``patches`` let optimizer state move between megatron's distributed optimizer and the per-parameter
+  optimizers HSDP runs on (``patches/checkpoint/optimizer_formats.py``), record, beside every saved checkpoint, the layout and features that shaped it, and keep the
   checkpoint resumed from a complete one (``patches/checkpoint/survival.py``).
 """
 
@@ -33,6 +34,6 @@ class Checkpoint(Feature):
         layout.validate(args)
 
     def patches(self, args):
-        from hyper_adaptor.patches.checkpoint import layout, survival
+        from hyper_adaptor.patches.checkpoint import layout, optimizer_formats, survival
 
-        return [*layout.patches(args), *survival.patches(args)]
+        return [*layout.patches(args), *optimizer_formats.patches(args), *survival.patches(args)]
