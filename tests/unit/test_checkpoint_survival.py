@@ -88,7 +88,7 @@ def reader(tmp_path):
         seen.append(open(path).read())
         return int(seen[-1]), False
 
-    return survival._complete_checkpoint_reader(read_metadata), seen
+    return survival._complete_checkpoint_reader(survival.FINAL_FILES["torch_dist"])(read_metadata), seen
 
 
 def test_reader_gives_megatron_the_chosen_iteration_and_one_notice(tmp_path, capsys, monkeypatch):
@@ -184,3 +184,23 @@ def test_patches_follow_the_flags():
     assert "megatron.training.dist_signal_handler.get_device" not in targets
     assert "megatron.training.dist_signal_handler.get_device" in [
         p.target for p in survival.patches(SimpleNamespace(exit_signal_handler=True))]
+
+
+def test_required_files_follow_the_checkpoint_format(tmp_path):
+    dcp = iteration(tmp_path, 2, files=(".metadata", "__0_0.distcp"))
+    assert incomplete_reason(dcp, survival.final_files(SimpleNamespace(ckpt_format="torch_dcp"))) is None
+    assert "metadata.json" in incomplete_reason(dcp, survival.final_files(SimpleNamespace(ckpt_format="torch_dist")))
+    assert incomplete_reason(iteration(tmp_path, 4, files=("x",)), survival.final_files(
+        SimpleNamespace(ckpt_format="torch"))) is None
+
+
+def test_load_with_nothing_complete_is_refused_before_anything_is_built(tmp_path):
+    from hyper_adaptor.features.base import FeatureConfigError
+
+    torn = iteration(tmp_path, 2, files=("__0_0.distcp",))
+    tracker(tmp_path, "2")
+    args = SimpleNamespace(load=str(tmp_path), ckpt_format="torch_dist", ckpt_step=None)
+    with pytest.raises(FeatureConfigError, match=rf"--load {tmp_path}: no complete checkpoint .*skipped {torn}"):
+        survival.validate(args)
+    iteration(tmp_path, 1)
+    survival.validate(args)

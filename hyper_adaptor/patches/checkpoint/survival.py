@@ -35,16 +35,19 @@ from hyper_adaptor.patch_manager import Patch
 FEATURE = "checkpoint"
 TRACKER = "latest_checkpointed_iteration.txt"
 _ITER_DIR = re.compile(r"^iter_(\d{7})$")
-# torch_dist: DCP's coordinator writes .metadata after every shard; megatron's metadata.json comes last
-_DIST_FINAL_FILES = (".metadata", "metadata.json")
+# The files a save writes last, per --ckpt-format: torch_dist's DCP coordinator writes .metadata after
+# every shard and megatron's metadata.json comes after it; torch_dcp and fsdp_dtensor are DCP alone; the
+# legacy torch format leaves no such mark
+FINAL_FILES = {"torch_dist": (".metadata", "metadata.json"), "torch_dcp": (".metadata",),
+               "fsdp_dtensor": (".metadata",)}
 
 
 def patches(args) -> list:
     found = [
         Patch("megatron.training.checkpointing.maybe_msc", _AtomicTracker, kind="wrap", feature=FEATURE,
               rebind_in=()),
-        Patch("megatron.training.checkpointing.read_metadata", _complete_checkpoint_reader, kind="wrap",
-              feature=FEATURE),
+        Patch("megatron.training.checkpointing.read_metadata", _complete_checkpoint_reader(final_files(args)),
+              kind="wrap", feature=FEATURE),
     ]
     found.append(Patch("megatron.training.initialize._initialize_distributed", _store_per_attempt, kind="wrap",
                        feature=FEATURE))
@@ -55,6 +58,22 @@ def patches(args) -> list:
 
 
 # --- what is complete -------------------------------------------------------------------------------
+
+def final_files(args) -> tuple[str, ...]:
+    return FINAL_FILES.get(getattr(args, "ckpt_format", None) or "torch_dist", ())
+
+
+def validate(args) -> None:
+    """Refuse a --load whose tracker exists while no checkpoint beside it is complete."""
+    from hyper_adaptor.features.base import FeatureConfigError
+
+    load = getattr(args, "load", None)
+    if not load or not os.path.isfile(os.path.join(load, TRACKER)) or getattr(args, "ckpt_step", None):
+        return
+    chosen, said = choose(load, final_files(args))
+    if chosen is None and said:
+        raise FeatureConfigError(f"--load {load}: no complete checkpoint to resume from: {'; '.join(said)}")
+
 
 def iteration_dirs(save_dir) -> dict[int, str]:
     """{iteration: path} of the ``iter_NNNNNNN`` directories under ``save_dir``."""
@@ -71,7 +90,7 @@ def iteration_dirs(save_dir) -> dict[int, str]:
     return found
 
 
-def incomplete_reason(path) -> str | None:
+def incomplete_reason(path, final=FINAL_FILES["torch_dist"]) -> str | None:
     """Why the checkpoint directory ``path`` is not complete, or None when it is (or when its format
     leaves no mark of completion: legacy ``torch`` checkpoints are taken as they are)."""
     try:
@@ -82,7 +101,7 @@ def incomplete_reason(path) -> str | None:
         return "it is empty"
     if any(n.startswith("mp_rank_") for n in names):
         return None
-    missing = [n for n in _DIST_FINAL_FILES if n not in names]
+    missing = [n for n in final if n not in names]
     if missing:
         return f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing (the save did not finish)"
     return None
@@ -106,7 +125,7 @@ def parse_tracker(path) -> tuple[int | None, str | None]:
     return (value, None) if value >= 0 else (None, f"it holds {value}")
 
 
-def choose(save_dir) -> tuple[int | None, list[str]]:
+def choose(save_dir, final=FINAL_FILES["torch_dist"]) -> tuple[int | None, list[str]]:
     """The iteration to resume from under ``save_dir`` and the sentences explaining what was skipped.
 
     The tracker's iteration when its directory is complete, else the newest complete directory
@@ -124,7 +143,7 @@ def choose(save_dir) -> tuple[int | None, list[str]]:
     candidates = sorted((i for i in dirs if why_not is not None or i <= named), reverse=True)
     chosen = None
     for iteration in candidates:
-        reason = incomplete_reason(dirs[iteration])
+        reason = incomplete_reason(dirs[iteration], final)
         if reason is None:
             chosen = iteration
             break
@@ -134,7 +153,7 @@ def choose(save_dir) -> tuple[int | None, list[str]]:
     for iteration in sorted((i for i in dirs if chosen is None or i > chosen), reverse=True):
         if iteration in candidates:
             continue
-        reason = incomplete_reason(dirs[iteration])
+        reason = incomplete_reason(dirs[iteration], final)
         if reason is not None:
             said.append(f"skipped {dirs[iteration]}: {reason}")
     return chosen, said
@@ -142,7 +161,11 @@ def choose(save_dir) -> tuple[int | None, list[str]]:
 
 # --- the seams --------------------------------------------------------------------------------------
 
-def _complete_checkpoint_reader(read_metadata):
+def _complete_checkpoint_reader(final):
+    return lambda read_metadata: _reader(read_metadata, final)
+
+
+def _reader(read_metadata, final):
     def read_complete_metadata(tracker_filename):
         from hyper_adaptor.notice import notice
 
@@ -150,7 +173,7 @@ def _complete_checkpoint_reader(read_metadata):
         if os.path.basename(tracker_filename) != TRACKER:
             return read_metadata(tracker_filename)
         named, why_not = parse_tracker(tracker_filename)
-        chosen, said = choose(save_dir)
+        chosen, said = choose(save_dir, final)
         if not said:
             return read_metadata(tracker_filename)
         if chosen is None:
