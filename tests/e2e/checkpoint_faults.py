@@ -39,21 +39,25 @@ def _faults(kind):
     return found
 
 
+KILL_AT, TERM_AT, KILL_IN_SAVE = _faults("kill"), _faults("term"), _faults("killsave")
+RECORD = os.environ.get("HA_FAULTS_RECORD")
+
+
 def _die(sig, why):
     print(f"[checkpoint_faults] attempt {ATTEMPT} rank {RANK}: {why}", flush=True)
     os.kill(os.getpid(), sig)
 
 
-def _hook_log(training_log, kill_at=_faults("kill"), record=os.environ.get("HA_FAULTS_RECORD")):
+def _hook_log(training_log):
     def logged(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs):
-        if record and RANK == 0 and "lm loss" in loss_dict:
+        if RECORD and RANK == 0 and "lm loss" in loss_dict:
             grad_norm = rest[3] if len(rest) > 3 else kwargs.get("grad_norm")
-            with open(record, "a") as f:
+            with open(RECORD, "a") as f:
                 f.write(json.dumps({"attempt": ATTEMPT, "iteration": iteration,
                                     "loss": float(loss_dict["lm loss"].float().sum().item()),
                                     "grad_norm": None if grad_norm is None else float(grad_norm)}) + "\n")
         result = training_log(loss_dict, total_loss_dict, learning_rate, iteration, *rest, **kwargs)
-        if iteration in kill_at:
+        if iteration in KILL_AT:
             sys.stdout.flush()
             _die(signal.SIGKILL, f"SIGKILL after iteration {iteration}")
         return result
@@ -61,19 +65,19 @@ def _hook_log(training_log, kill_at=_faults("kill"), record=os.environ.get("HA_F
     return logged
 
 
-def _hook_step(train_step, term_at=_faults("term")):
+def _hook_step(train_step):
     def step(*args, **kwargs):
-        if get_args().curr_iteration + 1 in term_at:
+        if get_args().curr_iteration + 1 in TERM_AT:
             _die(signal.SIGTERM, f"SIGTERM as step {get_args().curr_iteration + 1} begins")
         return train_step(*args, **kwargs)
 
     return step
 
 
-def _hook_save_config(save_config, kill_in=_faults("killsave")):
+def _hook_save_config(save_config):
     def save(config, checkpoint_dir):
         name = os.path.basename(os.path.normpath(str(checkpoint_dir)))
-        if name.startswith("iter_") and int(name[5:]) in kill_in:
+        if name.startswith("iter_") and int(name[5:]) in KILL_IN_SAVE:
             _die(signal.SIGKILL, f"SIGKILL inside the save of {name}, before metadata.json")
         return save_config(config, checkpoint_dir)
 

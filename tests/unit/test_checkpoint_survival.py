@@ -127,7 +127,7 @@ class Storage:
 
 
 def test_tracker_write_is_atomic(tmp_path):
-    storage = survival._AtomicTracker(Storage())
+    storage = survival._atomic_tracker(Storage())
     path = str(tmp_path / TRACKER)
     tracker(tmp_path, "4")
     with storage.open(path, "w") as f:
@@ -182,6 +182,9 @@ def test_restarted_attempt_gets_its_own_store(monkeypatch):
 def test_patches_follow_the_flags():
     targets = [p.target for p in survival.patches(SimpleNamespace(exit_signal_handler=False))]
     assert "megatron.training.dist_signal_handler.get_device" not in targets
+    assert "megatron.training.checkpointing.read_metadata" in targets
+    assert "megatron.training.checkpointing.read_metadata" not in [
+        p.target for p in survival.patches(SimpleNamespace(ckpt_step=4))]
     assert "megatron.training.dist_signal_handler.get_device" in [
         p.target for p in survival.patches(SimpleNamespace(exit_signal_handler=True))]
 

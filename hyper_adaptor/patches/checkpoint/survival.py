@@ -8,7 +8,7 @@ Two gaps remain, closed here:
 
 - the tracker is rewritten in place (``open(..., 'w')``): a kill inside that write leaves it empty, and
   megatron's ``read_metadata`` then ends the run with exit code 0 and nothing loaded. It is written
-  through a temporary file and ``os.replace`` instead (``_AtomicTracker``);
+  through a temporary file and ``os.replace`` instead (``_AtomicTrackerFile``);
 - the next start says nothing about the directory it ignores, and an empty or corrupt tracker (or one
   naming an incomplete directory) is not recovered. ``read_metadata`` is wrapped: it names every
   incomplete directory it skips, why, and the checkpoint resumed from, falling back to the newest
@@ -44,13 +44,15 @@ FINAL_FILES = {"torch_dist": (".metadata", "metadata.json"), "torch_dcp": (".met
 
 def patches(args) -> list:
     found = [
-        Patch("megatron.training.checkpointing.maybe_msc", _AtomicTracker, kind="wrap", feature=FEATURE,
+        Patch("megatron.training.checkpointing.maybe_msc", _atomic_tracker, kind="wrap", feature=FEATURE,
               rebind_in=()),
-        Patch("megatron.training.checkpointing.read_metadata", _complete_checkpoint_reader(final_files(args)),
-              kind="wrap", feature=FEATURE),
+        Patch("megatron.training.initialize._initialize_distributed", _store_per_attempt, kind="wrap",
+              feature=FEATURE),
     ]
-    found.append(Patch("megatron.training.initialize._initialize_distributed", _store_per_attempt, kind="wrap",
-                       feature=FEATURE))
+    # --ckpt-step names the iteration itself: the tracker is not what is resumed from
+    if not getattr(args, "ckpt_step", None):
+        found.append(Patch("megatron.training.checkpointing.read_metadata",
+                           _complete_checkpoint_reader(final_files(args)), kind="wrap", feature=FEATURE))
     if getattr(args, "exit_signal_handler", False):
         found.append(Patch("megatron.training.dist_signal_handler.get_device", _platform_signal_device,
                            kind="wrap", feature=FEATURE))
@@ -233,7 +235,7 @@ class _AtomicTrackerFile:
         return False
 
 
-def _AtomicTracker(maybe_msc):  # noqa: N802  (a factory standing in for megatron's module object)
+def _atomic_tracker(maybe_msc):
     """megatron.training.checkpointing's ``maybe_msc`` as it was, except that opening the tracker for
     writing on a local path goes through ``_AtomicTrackerFile``."""
 
