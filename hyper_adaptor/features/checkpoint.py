@@ -29,9 +29,10 @@ class Checkpoint(Feature):
         return bool(getattr(args, "save", None) or getattr(args, "load", None))
 
     def validate(self, args) -> None:
-        from hyper_adaptor.patches.checkpoint import layout
+        from hyper_adaptor.patches.checkpoint import layout, survival
 
         layout.validate(args)
+        survival.validate(args)
 
     def patches(self, args):
         from hyper_adaptor.patches.checkpoint import layout, optimizer_formats, survival
