@@ -84,13 +84,17 @@ def inspect(argv: list[str], out=None) -> int:
         saved = layout.read(options.directory, step)
     except layout.CheckpointError as error:
         usage.fail(str(error), PROG)
+    if saved.features is None:  # saved before hyper_adaptor recorded them: what its saved flags applied
+        from hyper_adaptor.features.checkpoint import applied_features
+
+        saved.features = applied_features(saved.args)
     versions = saved.versions or {}
     print(f"checkpoint {saved.path}", file=out)
     print(f"  iteration        {saved.iteration}", file=out)
     print(f"  saved at         {saved.parallel()} (world {saved.world})", file=out)
     print(f"  optimizer state  {saved.optimizer_state()}", file=out)
     if saved.has_optimizer_state:
-        print(f"  it moves         {_moves(saved)}; the model moves anywhere", file=out)
+        print(f"  it moves         {_moves(saved)}; the weights move to any layout of the same model", file=out)
     print(f"  features         {', '.join(saved.features) if saved.features else '(none)'}", file=out)
     if versions:
         print(f"  versions         hyper_adaptor {versions.get('hyper_adaptor')}, "
@@ -123,8 +127,8 @@ def inspect(argv: list[str], out=None) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] "
-              f"[-- <training flags> [--world-size N]]")
+        print("usage: python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] "
+              "[-- <training flags> [--world-size N]]")
         return 0 if argv else 2
     if argv[0] != "inspect":
         print(f"unknown checkpoint command {argv[0]!r}; known: inspect", file=sys.stderr)

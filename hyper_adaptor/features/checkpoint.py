@@ -11,7 +11,7 @@ Requested whenever the run saves or loads (megatron's ``--save`` / ``--load``):
 
 from __future__ import annotations
 
-from hyper_adaptor.features.base import Feature, Flag
+from hyper_adaptor.features.base import Feature, FeatureConfigError, Flag
 
 
 class Checkpoint(Feature):
@@ -30,9 +30,31 @@ class Checkpoint(Feature):
     def validate(self, args) -> None:
         from hyper_adaptor.patches.checkpoint import layout
 
-        layout.validate(args)
+        problems = layout.problems(args)
+        if problems:
+            raise FeatureConfigError("--load: " + "; and ".join(problems))
 
     def patches(self, args):
         from hyper_adaptor.patches.checkpoint import layout, survival
 
-        return [*layout.patches(args), *survival.patches(args)]
+        return [*layout.patches(args, applied_features(args)), *survival.patches(args)]
+
+
+def applied_features(args) -> tuple[str, ...]:
+    """The hyper_adaptor features a run with these arguments applies, the always-on ones aside: what
+    a checkpoint records as having shaped it (also read back from an older checkpoint's saved args)."""
+    import argparse
+
+    from hyper_adaptor.features import FEATURES
+
+    if getattr(args, "optimization_level", None) is None:
+        return ()  # not a hyper_adaptor run
+    probe = argparse.Namespace(**vars(args))
+    names = []
+    for feature in FEATURES:
+        if feature.always_on or feature.name == Checkpoint.name:
+            continue
+        feature.fill_defaults(probe)
+        if feature.is_enabled(probe):
+            names.append(feature.name)
+    return tuple(names)

@@ -11,8 +11,10 @@ import os
 import pytest
 import torch
 
-import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0 before megatron is imported)
+import hyper_adaptor.megatron_adaptor  # level 0 before megatron is imported
+from hyper_adaptor.features import get
 from hyper_adaptor.features.base import FeatureConfigError
+from hyper_adaptor.features.checkpoint import applied_features
 from hyper_adaptor.patches.checkpoint import layout
 from hyper_adaptor.patches.checkpoint.layout import check_transition, from_args
 
@@ -118,8 +120,8 @@ def test_bucket_format_refuses_what_megatron_does_not_check(saved, target, words
      "distributed optimizer does not read a plain optimizer's model-space state (held by HSDP level3)"),
     (rec(), rec(use_distributed_optimizer=True), "held by megatron's DDP"),
     (rec(optimizer="muon"), rec(), "its optimizer state is muon's and this run's --optimizer is adam"),
-    (rec(optimizer="muon", use_distributed_optimizer=True), rec(world=2, optimizer="muon", use_distributed_optimizer=True),
-     "saves for one fixed layout (it changed: DP)"),
+    (rec(optimizer="muon", use_distributed_optimizer=True),
+     rec(world=2, optimizer="muon", use_distributed_optimizer=True), "saves for one fixed layout (it changed: DP)"),
     (rec(optimizer="muon", use_distributed_optimizer=True), rec(optimizer="muon", use_hsdp=True),
      "layer-wise distributed optimizer"),
 ], ids=["distopt->hsdp", "fully-reshardable->ddp", "hsdp->distopt", "ddp->distopt", "muon->adam",
@@ -180,7 +182,8 @@ def test_reading_a_plain_megatron_checkpoint(tmp_path):
     saved = layout.read(str(directory))
     assert saved.path == str(directory / "iter_0000004") and saved.iteration == 4
     assert str(saved) == "TP2 PP2 (1f1b) DP1 with the distributed optimizer (dp_reshardable)"
-    assert saved.versions is None and saved.features == ()  # saved without hyper_adaptor
+    assert saved.versions is None and saved.features is None  # saved without hyper_adaptor
+    assert applied_features(saved.args) == ()
     assert layout.read(str(directory / "iter_0000004")).iteration == 4  # an iteration directory itself
 
 
@@ -221,29 +224,31 @@ def test_bad_input_is_a_clear_error(tmp_path, make, words):
 
 # -- at start-up --------------------------------------------------------------------------------------------
 def test_validate_refuses_before_loading_and_respects_the_flags_that_skip_the_optimizer(tmp_path):
+    validate = get("checkpoint").validate
     directory = save_checkpoint(tmp_path, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                 use_distributed_optimizer=True)
     run = args(pipeline_model_parallel_size=4, use_distributed_optimizer=True, load=str(directory))
     with pytest.raises(FeatureConfigError, match=r"^--load: checkpoint .*iter_0000004 was saved at TP2 PP2 .*"
                                                  r"cannot load at TP1 PP4"):
-        layout.validate(run)
+        validate(run)
     for flag in ("no_load_optim", "finetune"):
-        layout.validate(argparse.Namespace(**{**vars(run), flag: True}))
-    layout.validate(args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world=8,
+        validate(argparse.Namespace(**{**vars(run), flag: True}))
+    validate(args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world=8,
                          use_distributed_optimizer=True, load=str(directory)))  # DP 1 -> 2
     # nothing there, or nothing readable: megatron's loader (and the restart path) decide
-    layout.validate(args(load=str(tmp_path / "none")))
+    validate(args(load=str(tmp_path / "none")))
     (directory / layout.TRACKER).write_text("7")
-    layout.validate(run)
+    validate(run)
     # --ckpt-step picks the checkpoint that is checked
     with pytest.raises(FeatureConfigError):
-        layout.validate(argparse.Namespace(**{**vars(run), "ckpt_step": 4}))
+        validate(argparse.Namespace(**{**vars(run), "ckpt_step": 4}))
 
 
 def test_the_save_is_wrapped_to_write_the_sidecar_from_rank_0(tmp_path):
     assert layout.patches(args()) == []
     run = args(save=str(tmp_path), optimization_level=2, use_hsdp=True)
-    [patch] = layout.patches(run)
+    assert "hsdp" in applied_features(run)
+    [patch] = layout.patches(run, applied_features(run))
     assert (patch.target, patch.kind, patch.feature) == (layout.SAVE, "wrap", "checkpoint")
     calls = []
     save = patch.replacement(lambda sd, d, **kw: calls.append(d) or "request")
@@ -269,7 +274,8 @@ def test_inspect_prints_the_record_and_answers_for_a_command_line(tmp_path, caps
     assert checkpoint_cli.inspect([str(directory)], out=out) == 0
     text = out.getvalue()
     assert "iteration        4" in text and "saved at         TP2 PP2 (1f1b) DP1 (world 4)" in text
-    assert "adam, held by the distributed optimizer (dp_reshardable)" in text and "versions         not recorded" in text
+    assert "adam, held by the distributed optimizer (dp_reshardable)" in text
+    assert "versions         not recorded" in text
     model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
              "--max-position-embeddings", "64", "--micro-batch-size", "1", "--use-distributed-optimizer"]
     out = io.StringIO()

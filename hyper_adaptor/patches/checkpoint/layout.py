@@ -9,8 +9,9 @@ same way. What megatron's files lack — the hyper_adaptor and megatron-core ver
 that were applied — rank 0 writes beside them (``hyper_adaptor.json``) from a wrap of
 ``dist_checkpointing.save``, the one call every torch_dist save goes through.
 
-:func:`check_transition` is the one rule table: the load-time :func:`validate` and
-``python -m hyper_adaptor checkpoint inspect`` both ask it.
+:func:`check_transition` is the one rule table: the load-time check (:func:`problems`, raised by the
+checkpoint feature's validate before anything is built) and ``python -m hyper_adaptor checkpoint
+inspect`` both ask it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import json
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -80,8 +82,9 @@ class Layout:
     # read from a checkpoint only
     path: str | None = None
     iteration: int | None = None
-    features: tuple[str, ...] | None = None
+    features: tuple[str, ...] | None = None  # None: not recorded (no sidecar)
     versions: dict | None = None
+    args: object = field(default=None, repr=False, compare=False)  # the saved megatron namespace
 
     @property
     def placement(self) -> str:
@@ -266,7 +269,8 @@ def read(directory: str, step: int | None = None) -> Layout:
     layout.iteration = common.get("iteration", getattr(args, "iteration", None))
     sidecar = _read_sidecar(path)
     layout.versions = sidecar.get("versions")
-    layout.features = tuple(sidecar["features"]) if "features" in sidecar else shaping_features(args)
+    layout.features = tuple(sidecar["features"]) if "features" in sidecar else None
+    layout.args = args
     return layout
 
 
@@ -276,26 +280,6 @@ def _read_sidecar(path: str) -> dict:
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def shaping_features(args) -> tuple[str, ...]:
-    """The hyper_adaptor features a run with these arguments applied (the always-on ones aside)."""
-    import argparse
-
-    from hyper_adaptor.features import FEATURES
-
-    probe = argparse.Namespace(**vars(args))
-    probe.optimization_level = getattr(args, "optimization_level", None)
-    if probe.optimization_level is None:
-        return ()  # not saved through hyper_adaptor
-    names = []
-    for feature in FEATURES:
-        if feature.always_on or feature.name == FEATURE:
-            continue
-        feature.fill_defaults(probe)
-        if feature.is_enabled(probe):
-            names.append(feature.name)
-    return tuple(names)
 
 
 # -- the rule table ------------------------------------------------------------------------------------------
@@ -398,40 +382,39 @@ def loads_optimizer(args) -> bool:
     return not (getattr(args, "no_load_optim", False) or getattr(args, "finetune", False))
 
 
-def validate(args) -> None:
-    """Refuse, before anything is built, a --load whose checkpoint cannot move to this layout.
-
-    No checkpoint there, or one this cannot read (not torch_dist, torn), is left to megatron's
-    loader (and to the restart path, which skips a torn one): nothing is said here."""
-    from hyper_adaptor.features.base import FeatureConfigError
-
+def problems(args) -> list[str]:
+    """Why the checkpoint --load points at cannot load under ``args`` (empty: it can, or there is
+    nothing to check). No checkpoint there, or one this cannot read (not torch_dist, torn), is left
+    to megatron's loader (and to the restart path, which skips a torn one)."""
     directory = getattr(args, "load", None)
     if not directory or not os.path.isdir(directory):
-        return
+        return []
     try:
         saved = read(directory, getattr(args, "ckpt_step", None))
     except CheckpointError:
-        return
+        return []
     world = getattr(args, "world_size", None) or _int(os.environ.get("WORLD_SIZE"), 0) or None
-    problems = check_transition(saved, from_args(args, world=world), loads_optimizer(args))
-    if problems:
-        raise FeatureConfigError("--load: " + "; and ".join(problems))
+    return check_transition(saved, from_args(args, world=world), loads_optimizer(args))
 
 
-def sidecar(args) -> dict:
+def sidecar(args, features) -> dict:
     """What ``hyper_adaptor.json`` holds beside a checkpoint saved with these arguments."""
-    from hyper_adaptor import __version__, megatron_version
+    from hyper_adaptor import megatron_version
 
     found = megatron_version.detect()
+    # the package is imported before any of its modules: its version is read, not imported (the
+    # package itself sits above the patches)
+    package = sys.modules[__name__.split(".")[0]]
     return {
-        "versions": {"hyper_adaptor": __version__, "megatron_core": found.version if found else None},
-        "features": list(shaping_features(args)),
+        "versions": {"hyper_adaptor": getattr(package, "__version__", None),
+                     "megatron_core": found.version if found else None},
+        "features": list(features),
         "layout": from_args(args).parallel(),
     }
 
 
-def _writing_sidecar(args):
-    record = sidecar(args)
+def _writing_sidecar(args, features):
+    record = sidecar(args, features)
 
     def factory(original):
         @functools.wraps(original)
@@ -453,9 +436,11 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def patches(args) -> list:
+def patches(args, features=()) -> list:
+    """Rank 0 writes ``hyper_adaptor.json`` (versions, ``features``: the ones this run applied) into
+    every iteration directory it saves."""
     from hyper_adaptor.patch_manager import Patch
 
     if not getattr(args, "save", None):
         return []
-    return [Patch(SAVE, _writing_sidecar(args), "wrap", FEATURE)]
+    return [Patch(SAVE, _writing_sidecar(args, features), "wrap", FEATURE)]
