@@ -135,11 +135,14 @@ def test_optimizer_holders_that_do_not_read_each_other(saved, target, words):
 def test_a_model_of_another_shape_is_refused_naming_the_flag_even_without_the_optimizer():
     problems = check_transition(rec(), rec(num_layers=8, hidden_size=128), load_optimizer=False)
     assert len(problems) == 2
-    assert problems[0].startswith("--num-layers: checkpoint the checkpoint holds a model with --num-layers 4, "
+    assert problems[0].startswith("--num-layers: the checkpoint holds a model with --num-layers 4, "
                                   "this run builds --num-layers 8"), problems
     assert "--hidden-size" in problems[1]
     # flags the command line leaves out are not compared
     assert check_transition(rec(), rec(vocab_size=None)) == []
+    # a world size not known is no change of DP
+    layer_wise = rec(optimizer="muon", use_distributed_optimizer=True)
+    assert check_transition(layer_wise, rec(world=None, optimizer="muon", use_distributed_optimizer=True)) == []
 
 
 def test_a_checkpoint_without_optimizer_state_loads_anywhere():

@@ -286,16 +286,16 @@ def _read_sidecar(path: str) -> dict:
 def check_transition(saved: Layout, target: Layout, load_optimizer: bool = True) -> list[str]:
     """Why the checkpoint ``saved`` cannot load under ``target`` (empty: it can). ``load_optimizer``
     False (--no-load-optim, --finetune) loads the model only: the optimizer rules do not apply."""
-    where = saved.path or "the checkpoint"
+    name = f"checkpoint {saved.path}" if saved.path else "the checkpoint"
     problems = []
     for dest, flag in SHAPE_FLAGS.items():
         old, new = saved.shape.get(dest), target.shape.get(dest)
         if old is not None and new is not None and old != new:
-            problems.append(f"{flag}: checkpoint {where} holds a model with {_value(dest, old)}, this run builds "
+            problems.append(f"{flag}: {name} holds a model with {_value(dest, old)}, this run builds "
                             f"{_value(dest, new)}: its weights do not fit; use the checkpoint's {flag} value")
     if not load_optimizer or not saved.has_optimizer_state:
         return problems
-    head = f"checkpoint {where} was saved at {saved} and cannot load at {target}"
+    head = f"{name} was saved at {saved} and cannot load at {target}"
     skip = "or load with --no-load-optim (the model only, a fresh optimizer)"
     if saved.optimizer != target.optimizer:
         problems.append(f"{head}: its optimizer state is {saved.optimizer}'s and this run's --optimizer is "
@@ -307,7 +307,7 @@ def check_transition(saved: Layout, target: Layout, load_optimizer: bool = True)
             problems.append(f"{head}: megatron's layer-wise distributed optimizer (--optimizer {saved.optimizer} "
                             f"with --use-distributed-optimizer) saves its own structure, which neither other "
                             f"optimizer wrapper reads; {_same_wrapper(saved)}, {skip}")
-        elif moved or saved.dp != target.dp:
+        elif moved or (target.dp is not None and saved.dp != target.dp):
             problems.append(f"{head}: megatron's layer-wise distributed optimizer saves for one fixed layout "
                             f"(it changed: {', '.join(moved or ['DP'])}); load at {saved.parallel()}, {skip}")
         return problems
