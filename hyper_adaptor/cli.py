@@ -162,12 +162,18 @@ def describe(flags: list[str], out=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m hyper_adaptor describe [megatron and hyper_adaptor flags]")
+        print("usage: python -m hyper_adaptor describe [megatron and hyper_adaptor flags]\n"
+              "       python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] [-- <training flags>]")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "describe":
         # the device choice is made at import, from --device-type if present
         sys.argv = [sys.argv[0]] + rest
         return describe(rest)
-    print(f"unknown command {command!r}; known: describe", file=sys.stderr)
+    if command == "checkpoint":
+        from hyper_adaptor import checkpoint_cli
+
+        sys.argv = [sys.argv[0]] + rest
+        return checkpoint_cli.main(rest)
+    print(f"unknown command {command!r}; known: describe, checkpoint", file=sys.stderr)
     return 2

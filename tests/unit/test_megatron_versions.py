@@ -28,7 +28,7 @@ EVERY_FEATURE = (
     "--context-parallel-size 2 --context-parallel-algo hybrid --ulysses-degree-in-cp 2 --attention-dropout 0 "
     "--profile --deterministic-mode --swap-attention --recompute-activation-function --optimizer-cpu-offload "
     "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --untie-embeddings-and-output-weights "
-    "--pipeline-schedule interleaved --save /tmp/hyper-adaptor-describe-ckpt"
+    "--pipeline-schedule interleaved --save /tmp/hyper-adaptor-describe-ckpt --save-interval 4"
 ).split()
 
 
