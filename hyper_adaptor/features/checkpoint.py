@@ -32,10 +32,12 @@ class Checkpoint(Feature):
     def validate(self, args) -> None:
         from hyper_adaptor.patches.checkpoint import layout, survival
 
+        torn = survival.problems(args)
+        if torn:
+            raise FeatureConfigError(torn[0])
         problems = layout.problems(args)
         if problems:
             raise FeatureConfigError("--load: " + "; and ".join(problems))
-        survival.validate(args)
 
     def patches(self, args):
         from hyper_adaptor.patches.checkpoint import layout, optimizer_formats, survival

@@ -19,7 +19,8 @@ from hyper_adaptor.patches.checkpoint import layout
 from hyper_adaptor.patches.checkpoint.layout import check_transition, from_args
 
 MODEL = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=16,
-             vocab_size=256, make_vocab_size_divisible_by=64, swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
+             vocab_size=256, make_vocab_size_divisible_by=64,
+             swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
              group_query_attention=False, num_query_groups=None, num_experts=None, moe_ffn_hidden_size=None)
 
 

@@ -65,16 +65,15 @@ def final_files(args) -> tuple[str, ...]:
     return FINAL_FILES.get(getattr(args, "ckpt_format", None) or "torch_dist", ())
 
 
-def validate(args) -> None:
-    """Refuse a --load whose tracker exists while no checkpoint beside it is complete."""
-    from hyper_adaptor.features.base import FeatureConfigError
-
+def problems(args) -> list[str]:
+    """Why a --load cannot start: its tracker exists while no checkpoint beside it is complete."""
     load = getattr(args, "load", None)
     if not load or not os.path.isfile(os.path.join(load, TRACKER)) or getattr(args, "ckpt_step", None):
-        return
+        return []
     chosen, said = choose(load, final_files(args))
     if chosen is None and said:
-        raise FeatureConfigError(f"--load {load}: no complete checkpoint to resume from: {'; '.join(said)}")
+        return [f"--load {load}: no complete checkpoint to resume from: {'; '.join(said)}"]
+    return []
 
 
 def iteration_dirs(save_dir) -> dict[int, str]:
