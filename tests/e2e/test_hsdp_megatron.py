@@ -162,7 +162,7 @@ def test_fp16_loss_scaling_matches_megatron_ddp():
 # -- checkpoints: save at iteration 3 of 6, resume, compare with the uninterrupted run ---------------
 RESUMES = {
     # name: (the saving run: a RUNS name, or (layout, flags, model); flags of the resuming run)
-    "DP4-level3": ("DP4-level3", ["--use-hsdp", "--hsdp-optimizer-level", "level3", "--hsdp-threshold-kb", "0"]),
+    # (level 3 at DP4 resumed at DP2 with its Adam moments compared: tests/e2e/test_checkpoint_layouts.py)
     # bf16: fp32 main copies of the shards, written by megatron's Float16 optimizer
     "TP2xDP2-level2-swiglu-bf16": (("TP2xDP2", ("--train-iters", "6", "--use-hsdp", "--hsdp-threshold-kb", "0",
                                                 "--bf16"), tuple(SWIGLU_MODEL)),
@@ -225,14 +225,15 @@ def test_expert_parallel_hsdp_saves_and_resumes_with_the_same_next_loss(ep2_hsdp
     assert [grad_norms(output)[i] for i in (3, 4)] == [full_norms[i] for i in (3, 4)]
 
 
-def test_megatron_ddp_with_the_distributed_optimizer_loads_the_expert_parallel_hsdp_model(ep2_hsdp_checkpoint):
-    """The same checkpoint read by megatron's own DDP + distributed optimizer at EP 2 x DP 2: the model
-    (its expert rows under megatron's keys and offsets), so iteration 3's loss and gradient norm are the
-    HSDP run's. --no-load-optim: the plain optimizer's state is not the distributed optimizer's format,
-    and megatron 0.19.2's distributed optimizer loads no checkpoint without apex / TransformerEngine."""
+def test_megatron_ddp_with_the_distributed_optimizer_loads_the_expert_parallel_hsdp_checkpoint(ep2_hsdp_checkpoint):
+    """The same checkpoint read by megatron's own DDP + distributed optimizer at EP 2 x DP 2: the model (its
+    expert rows under megatron's keys and offsets) and the Adam state of both chained optimizers (the
+    per-parameter format read as the distributed optimizer's model-space one:
+    hyper_adaptor/patches/checkpoint/optimizer_formats.py), so iterations 3 and 4 train as the HSDP run's."""
     ckpt, full, full_norms = ep2_hsdp_checkpoint
-    resumed, output = pretrain(4, *EP2_COMMON, "--use-distributed-optimizer", "--no-load-optim", "--load", ckpt,
-                               "--ckpt-step", "2", model=MODEL)
+    resumed, output = pretrain(4, *EP2_COMMON, "--use-distributed-optimizer", "--load", ckpt, "--ckpt-step", "2",
+                               model=MODEL)
     assert sorted(resumed) == [3, 4], resumed
     assert abs(resumed[3] - full[3]) <= 1e-5 * abs(full[3]), (resumed, full)
-    assert grad_norms(output)[3] == full_norms[3]
+    norms = grad_norms(output)
+    assert all(abs(norms[i] - full_norms[i]) <= 1e-4 * full_norms[i] for i in (3, 4)), (norms, full_norms)
