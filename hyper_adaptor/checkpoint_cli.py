@@ -16,8 +16,9 @@ PROG = "hyper_adaptor checkpoint inspect"
 
 # what each optimizer-state holder lets move, for the summary line
 _MOVES = {
-    "ddp": "anywhere: TP, PP, VPP / ZBV, CP, EP, DP, and to --use-hsdp at any level",
-    "hsdp": "anywhere: TP, PP, VPP / ZBV, CP, EP, DP, HSDP levels, and to megatron's DDP (no --use-hsdp)",
+    "ddp": "anywhere: TP, PP, VPP / ZBV, CP, EP, DP; to --use-hsdp at any level and to --use-distributed-optimizer",
+    "hsdp": "anywhere: TP, PP, VPP / ZBV, CP, EP, DP, HSDP levels; to megatron's DDP and to "
+            "--use-distributed-optimizer",
     "layer-wise": "nowhere: megatron's layer-wise distributed optimizer loads at the layout that saved it",
 }
 
@@ -42,6 +43,9 @@ def _moves(saved) -> str:
     if saved.state_format in BUCKET_SPACE:
         return ("across DP and CP only, under --use-distributed-optimizer (re-save with "
                 "--dist-ckpt-optim-fully-reshardable to move TP, PP, VPP / ZBV, EP)")
+    if saved.state_format == "fully_reshardable":
+        return ("anywhere: TP, PP, VPP / ZBV, CP, EP, DP, under --use-distributed-optimizer, megatron's DDP or "
+                "--use-hsdp at any level")
     return "anywhere under --use-distributed-optimizer: TP, PP, VPP / ZBV, CP, EP, DP"
 
 

@@ -48,6 +48,8 @@ SOURCES = {
     "DP4+hsdp3": (DENSE, 4, HSDP3),
     "PP2-zbv": (DENSE, 2, ZBV),
     "EP2+distopt": (MOE, 2, ["--expert-model-parallel-size", "2", *DISTOPT]),
+    # megatron's default format for the distributed optimizer (dp_reshardable): it moves across DP only
+    "DP2+distopt-default": (DENSE, 2, ["--use-distributed-optimizer"]),
 }
 # (source, target, ranks, flags)
 PAIRS = [
@@ -63,6 +65,7 @@ PAIRS = [
     ("PP2-zbv", "DP2", 2, []),
     ("EP2+distopt", "EP1xDP2+distopt", 2, DISTOPT),
     ("EP2+distopt", "EP1+hsdp3", 2, HSDP3),
+    ("DP2+distopt-default", "DP1+distopt-default", 1, ["--use-distributed-optimizer"]),
 ]
 
 

@@ -20,8 +20,12 @@ other, for three reasons this module answers at the smallest seams:
   fresh torch optimizer does not have yet (``assert len(steps) == 1``, any layout, any device): the wrap of
   ``sharded_state_dict`` creates that state (zeros, step 0) before a load, as megatron does for its plain
   optimizers; the load then overwrites all of it. Megatron then copies every tensor of a parameter's state
-  from the checkpoint, torch's ``step`` tensor included, which the checkpoint keeps per group (``KeyError:
-  'step'``): the wrap of ``_set_main_param_and_optimizer_states`` leaves the step to the group's value.
+  from the checkpoint, torch's ``step`` tensor included, which the fully-reshardable checkpoint keeps per
+  group (``KeyError: 'step'``) and the default (dp_reshardable) one per parameter, where it does not read
+  back right (a resume at the same layout was off from its second step: grad norm 0.875 against 0.870):
+  the wrap of ``_set_main_param_and_optimizer_states`` always leaves the step to the group's value, and
+  runs it under ``no_grad`` (its default-format caller does not, and the copy into an fp32 main parameter,
+  a view of a leaf that requires grad, raises).
   And that value is ONE tensor given to every parameter's state, which torch's Adam then increments in
   place once per parameter: after a resume the bias correction ran on a step count of hundreds (weights
   4e-4 off the uninterrupted run after one step, the Adam moments equal). The wrap of ``load_state_dict``
@@ -266,10 +270,14 @@ def _wrap_chained_load(original):
 def _wrap_set_states(original):
     @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        # None: megatron skips what is not a tensor. The step was set from the groups already; an fp32
-        # main parameter not read from the checkpoint (see _wrap_load) is the model's weight, loaded
-        tensors = {"step": None, "param": None, **tensors}
-        return original(self, model_param, tensors)
+        # None: megatron skips what is not a tensor. The step was set from the groups already (and wins over
+        # a per-parameter one); an fp32 main parameter not read from the checkpoint (see _wrap_load) is the
+        # model's weight, loaded
+        tensors = {"param": None, **tensors, "step": None}
+        # megatron's dp_reshardable loader calls this outside no_grad, and the fp32 main parameters are
+        # views of leaves that require grad: copy_ into them raises ("a view of a leaf Variable ...")
+        with torch.no_grad():
+            return original(self, model_param, tensors)
 
     return _set_main_param_and_optimizer_states
 
