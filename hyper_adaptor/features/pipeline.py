@@ -22,18 +22,9 @@ def _pp(args) -> int:
 
 
 def _chunks(args) -> int:
-    """Model chunks per pipeline rank as megatron will build them (its validate_args derives the same)."""
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp:
-        return int(vpp)
-    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if stages:
-        return int(stages)
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    layers = getattr(args, "num_layers", None)
-    if per_stage and layers:
-        return max(1, layers // _pp(args) // int(per_stage))
-    return 1
+    from hyper_adaptor.patches.pipeline import model_chunks
+
+    return model_chunks(args)
 
 
 class Pipeline(Feature):

@@ -136,17 +136,9 @@ def _int(value, default: int = 1) -> int:
 
 
 def _vpp(args) -> int:
-    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
-    if vpp:
-        return int(vpp)
-    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
-    if stages:
-        return int(stages)
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    layers = getattr(args, "num_layers", None)
-    if per_stage and layers:
-        return max(1, int(layers) // _int(getattr(args, "pipeline_model_parallel_size", 1)) // int(per_stage))
-    return 1
+    from hyper_adaptor.patches.pipeline import model_chunks
+
+    return model_chunks(args)
 
 
 def _shape(args) -> dict:
