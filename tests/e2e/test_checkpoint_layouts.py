@@ -50,6 +50,8 @@ SOURCES = {
     "EP2+distopt": (MOE, 2, ["--expert-model-parallel-size", "2", *DISTOPT]),
     # megatron's default format for the distributed optimizer (dp_reshardable): it moves across DP only
     "DP2+distopt-default": (DENSE, 2, ["--use-distributed-optimizer"]),
+    # hyper_adaptor's Muon (momentum in model space under megatron's DDP and HSDP)
+    "DP2+muon-hsdp3": (DENSE, 2, ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", *HSDP3]),
 }
 # (source, target, ranks, flags)
 PAIRS = [
@@ -66,7 +68,13 @@ PAIRS = [
     ("EP2+distopt", "EP1xDP2+distopt", 2, DISTOPT),
     ("EP2+distopt", "EP1+hsdp3", 2, HSDP3),
     ("DP2+distopt-default", "DP1+distopt-default", 1, ["--use-distributed-optimizer"]),
+    ("DP2+muon-hsdp3", "TP2+muon", 2, ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high",
+                                       "--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]),
 ]
+
+
+# Adam's moments; Muon's momentum
+MOMENTS = (".exp_avg", ".momentum_buffer")
 
 
 def _close(a: float, b: float, rtol: float = 1e-5) -> bool:
@@ -89,9 +97,9 @@ def read_whole(iteration_dir) -> dict:
 
 def compare_states(want: dict, got: dict, tol: float = 1e-5) -> list[str]:
     """Weights and Adam moments of ``want`` against ``got`` (keys in model space: the same in every layout)."""
-    keys = [k for k in want if not k.startswith("optimizer.") or ".exp_avg" in k]
+    keys = [k for k in want if not k.startswith("optimizer.") or any(m in k for m in MOMENTS)]
     bad = [f"missing {k}" for k in keys if k not in got]
-    moments = [k for k in keys if ".exp_avg" in k]
+    moments = [k for k in keys if any(m in k for m in MOMENTS)]
     if not moments:
         bad.append("no optimizer moments in the reference checkpoint")
     for k in keys:
