@@ -214,14 +214,15 @@ def test_reading_the_sidecar_and_a_chosen_step(tmp_path):
     (directory / layout.TRACKER).write_text("9")
     saved = layout.read(str(directory), step=2)
     assert saved.versions == {"hyper_adaptor": "0.1.0", "megatron_core": "0.19.2"} and saved.features == ("hsdp",)
-    with pytest.raises(layout.CheckpointError, match="iter_0000009: no such checkpoint directory"):
-        layout.read(str(directory))
+    # the tracker names a directory that is not there: the checkpoint a start resumes from is read
+    # (patches/checkpoint/survival.py's choice), the newest complete one
+    assert layout.read(str(directory)).path == str(directory / "iter_0000002")
 
 
 @pytest.mark.parametrize("make, words", [
     (lambda d: None, "no such directory"),
     (lambda d: d.mkdir(), "holds no checkpoint (no latest_checkpointed_iteration.txt"),
-    (lambda d: (d.mkdir(), (d / layout.TRACKER).write_text("x")), "holds 'x', not an iteration number"),
+    (lambda d: (d.mkdir(), (d / layout.TRACKER).write_text("x")), "holds 'x', not an iteration, and no complete"),
     (lambda d: (d.mkdir(), (d / layout.TRACKER).write_text("3"), (d / "iter_0000003").mkdir()),
      "is not a torch_dist checkpoint (no metadata.json"),
     (lambda d: (d.mkdir(), (d / layout.TRACKER).write_text("3"), (d / "iter_0000003").mkdir(),
@@ -257,8 +258,10 @@ def test_validate_refuses_before_loading_and_respects_the_flags_that_skip_the_op
                          use_distributed_optimizer=True, load=str(directory)))  # DP 1 -> 2
     # nothing there, or nothing readable: megatron's loader (and the restart path) decide
     validate(args(load=str(tmp_path / "none")))
+    # the tracker names a directory that is not there: the start resumes from iteration 4, which is checked
     (directory / layout.TRACKER).write_text("7")
-    validate(run)
+    with pytest.raises(FeatureConfigError, match="iter_0000004 was saved at TP2 PP2"):
+        validate(run)
     # --ckpt-step picks the checkpoint that is checked
     with pytest.raises(FeatureConfigError):
         validate(argparse.Namespace(**{**vars(run), "ckpt_step": 4}))

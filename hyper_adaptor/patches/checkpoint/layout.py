@@ -24,9 +24,10 @@ import sys
 import warnings
 from dataclasses import dataclass, field
 
+from hyper_adaptor.patches.checkpoint.survival import TRACKER
+
 FEATURE = "checkpoint"
 SIDECAR = "hyper_adaptor.json"
-TRACKER = "latest_checkpointed_iteration.txt"
 SAVE = "megatron.core.dist_checkpointing.save"
 _ITER_DIR = re.compile(r"^(iter_\d{7}|release)$")
 
@@ -200,14 +201,18 @@ def iteration_dir(directory: str, step: int | None = None) -> str | None:
     tracker = os.path.join(directory, TRACKER)
     if not os.path.isfile(tracker):
         return None
-    with open(tracker) as f:
-        text = f.read().strip()
-    if text == "release":
-        return os.path.join(directory, "release")
-    try:
-        return os.path.join(directory, f"iter_{int(text):07d}")
-    except ValueError:
-        raise CheckpointError(f"{tracker} holds {text!r}, not an iteration number") from None
+    # the checkpoint a start resumes from is survival's choice (a torn newest save is skipped): the check
+    # and inspect read that one, not whatever the tracker names
+    from hyper_adaptor.patches.checkpoint import survival
+
+    chosen, _ = survival.choose(directory)
+    if chosen is not None:
+        return os.path.join(directory, f"iter_{chosen:07d}")
+    named, why_not = survival.parse_tracker(tracker)
+    if why_not is not None:
+        raise CheckpointError(f"{tracker}: {why_not}, and no complete checkpoint is beside it")
+    # nothing complete: the directory the tracker names, for what is wrong with it
+    return os.path.join(directory, "release" if named == 0 else f"iter_{named:07d}")
 
 
 def _common_state(path: str) -> dict:
