@@ -1,4 +1,4 @@
-"""Runs that more than one end-to-end test reads, launched once per session: a torchrun run's cost is
+"""Runs that more than one end-to-end test reads, launched once per session: a launched run's cost is
 mostly megatron's start-up on every rank, and several tests can read the same run."""
 
 import subprocess
@@ -25,5 +25,6 @@ def tp2_pp2_run(corpus, tmp_path_factory):
     resume (test_pretrain_gpt.py), the first of the two identical runs (test_determinism.py) and the
     pip package's losses (test_megatron_checkout.py). Returns (checkpoint directory, losses, output)."""
     ckpt = tmp_path_factory.mktemp("tp2_pp2") / "ckpt"
-    losses, output = pretrain(4, *tp2_pp2_flags(corpus), "--save", str(ckpt), "--save-interval", "3")
+    # through torchrun itself, as the README launches it
+    losses, output = pretrain(4, *tp2_pp2_flags(corpus), "--save", str(ckpt), "--save-interval", "3", torchrun=True)
     return ckpt, losses, output

@@ -1,5 +1,5 @@
 """A torch_dist checkpoint saved under one layout resumes under another with the model AND the optimizer
-state carried over: examples/pretrain_gpt.py through torchrun, on CPU.
+state carried over: examples/pretrain_gpt.py on forked CPU ranks.
 
 Each source layout trains 3 iterations and saves at 2 and 3 (the uninterrupted run). Each target layout
 loads the source's iteration 2, trains iteration 3 and saves it. Iteration 3's loss must equal the

@@ -1,4 +1,4 @@
-"""--context-parallel-size through megatron.training (examples/pretrain_gpt.py, torchrun, CPU processes).
+"""--context-parallel-size through megatron.training (examples/pretrain_gpt.py on forked ranks, CPU processes).
 
 One command line as a user would write it: a GPT with RoPE, SwiGLU, RMSNorm and grouped-query
 attention, CP 2 (load-balanced ring) with --use-hsdp level 3 (HSDP's group is data x context), against

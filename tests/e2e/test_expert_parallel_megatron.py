@@ -1,4 +1,4 @@
-"""--moe-dispatcher-engine hyper through megatron.training (examples/pretrain_gpt.py, torchrun, CPU processes).
+"""--moe-dispatcher-engine hyper through megatron.training (examples/pretrain_gpt.py on forked ranks, CPU processes).
 
 A GPT-MoE as a user would write it — 8 experts, top-2, a shared expert, RMSNorm, SwiGLU, aux-loss router,
 megatron's all-to-all dispatcher, ``--moe-grouped-gemm`` (level 1's grouped GEMM) — at expert parallel 2

@@ -1,4 +1,4 @@
-"""--use-hsdp through megatron.training (examples/pretrain_gpt.py, torchrun, 4 CPU processes):
+"""--use-hsdp through megatron.training (examples/pretrain_gpt.py on forked ranks, 4 CPU processes):
 losses and gradient norms against megatron's own DDP run of the same command, 3 iterations.
 
 Tolerance: losses 1e-5 relative (megatron logs 7 significant digits); grad norms as logged (4

@@ -1,4 +1,5 @@
-"""examples/hyperparallel/: HyperParallel's usage examples run as written, on 2 CPU ranks through torchrun."""
+"""examples/hyperparallel/: HyperParallel's usage examples run as written, on 2 forked CPU ranks with
+torchrun's environment (hyper_adaptor/testing/launch.py)."""
 
 import os
 import re
@@ -16,7 +17,7 @@ STEP = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)(?: single-process ([0-9.eE+-]
 
 
 def run_example(name: str, *args: str, nproc: int = 2, timeout: int = 240) -> list[tuple]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+    command = [sys.executable, "-m", "hyper_adaptor.testing.launch", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), f"examples/hyperparallel/{name}", *args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     try:

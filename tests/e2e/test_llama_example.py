@@ -1,4 +1,4 @@
-"""End to end: examples/llama/train.py under torchrun (4 CPU processes): TP2 x DP2 with HSDP level 3 for
+"""End to end: examples/llama/train.py on 4 forked CPU ranks (torchrun's environment): TP2 x DP2 with HSDP level 3 for
 two steps saving a torch.distributed.checkpoint, then resumed at TP1 x DP4 (level 1) for one more; every
 printed loss equals the whole model trained in this process (the example's own batches). Bad flags are
 usage errors naming the flag."""
@@ -21,7 +21,7 @@ SMALL = ["--batch", "4", "--seq", "8"]  # tests/distributed/one_mesh_checks.py's
 
 
 def torchrun(*args, timeout=240):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+    command = [sys.executable, "-m", "hyper_adaptor.testing.launch", "--nproc-per-node", "4",
                "--master-port", str(free_port()), SCRIPT, *SMALL, *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)

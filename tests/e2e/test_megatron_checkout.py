@@ -41,7 +41,7 @@ def test_tp2_pp2_from_a_checkout_matches_the_pip_package(checkout, corpus, tp2_p
     # python3 on PATH is this interpreter (with pybind11), as in an activated environment
     env = {"PYTHONPATH": os.pathsep.join([str(checkout), str(Path(__file__).resolve().parents[2])]),
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])}
-    from_checkout, output = pretrain(4, *tp2_pp2_flags(corpus), env=env)
+    from_checkout, output = pretrain(4, *tp2_pp2_flags(corpus), env=env, torchrun=True)
     # the adaptor's banner names the megatron-core it adapts and where it came from
     assert f"megatron-core 0.19.1 (source tree at {checkout / 'megatron' / 'core'})" in output
     built = list((checkout / "megatron" / "core" / "datasets").glob("helpers_cpp*"))

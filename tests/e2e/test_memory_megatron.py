@@ -1,4 +1,4 @@
-"""The memory flags through megatron.training (examples/pretrain_gpt.py, torchrun, 2 CPU processes, DP2):
+"""The memory flags through megatron.training (examples/pretrain_gpt.py on forked ranks, 2 CPU processes, DP2):
 MindSpeed's --swap-attention, --recompute-activation-function and --recompute-norm, and megatron's own
 --cpu-offloading-num-layers and --fine-grained-activation-offloading (TE-only in megatron), against the
 same command without them; the swap run's checkpoint resumed without any memory flag; megatron's offload

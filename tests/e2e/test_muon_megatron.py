@@ -1,4 +1,4 @@
-"""``--optimizer muon`` through megatron.training (examples/pretrain_gpt.py, torchrun, CPU), fp32, 5 steps.
+"""``--optimizer muon`` through megatron.training (examples/pretrain_gpt.py on forked ranks, CPU), fp32, 5 steps.
 
 Every distributed layout against the one-process run of the same model (losses within 1e-5 relative,
 grad norms as logged equal): TP2 with ``--muon-tp-mode duplicated`` and ``distributed`` (the whole

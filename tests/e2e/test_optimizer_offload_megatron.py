@@ -1,4 +1,4 @@
-"""--optimizer-cpu-offload through megatron.training (examples/pretrain_gpt.py, torchrun, 2 CPU processes):
+"""--optimizer-cpu-offload through megatron.training (examples/pretrain_gpt.py on forked ranks, 2 CPU processes):
 losses and gradient norms as logged (7 and 4 significant digits) equal to the same command without the
 flag, 3 iterations, with megatron's own spelling (``--use-precision-aware-optimizer`` along, which
 megatron's validate_args asserts) and the distributed optimizer: in fp32 hyper_adaptor switches the

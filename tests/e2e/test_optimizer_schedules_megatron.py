@@ -1,4 +1,4 @@
-"""The learning rates megatron.training logs (examples/pretrain_gpt.py, torchrun, 1 CPU process, --mock-data)
+"""The learning rates megatron.training logs (examples/pretrain_gpt.py on forked ranks, 1 CPU process, --mock-data)
 against ``hyper_adaptor.optim.lr_multiplier`` at every iteration: WSD with each of megatron's four
 ``--lr-wsd-decay-style`` values, and megatron's linear, cosine and constant ``--lr-decay-style``
 (``inverse-square-root`` has no counterpart in the library and is not run).

@@ -1,4 +1,4 @@
-"""--pipeline-schedule through megatron.training (examples/pretrain_gpt.py, torchrun, 4 CPU processes,
+"""--pipeline-schedule through megatron.training (examples/pretrain_gpt.py on forked ranks, 4 CPU processes,
 PP2 x DP2, two model chunks per rank, untied output layer, dropout off):
 
 - ZBV trains and saves; its checkpoint (megatron's layer numbering, torch_dist) resumes under megatron's own

@@ -1,6 +1,6 @@
-"""End to end: examples/pretrain_gpt.py through torchrun on the embedded corpus (TP2 x PP2, 4 CPU
-processes): the loss falls, a checkpoint is saved, and resuming from it reproduces the
-uninterrupted run's next losses exactly (to the 7 significant digits megatron logs), dropout on.
+"""End to end: examples/pretrain_gpt.py on the embedded corpus (TP2 x PP2, 4 CPU processes; the shared
+run through torchrun, the others on forked ranks): the loss falls, a checkpoint is saved, and resuming
+from it reproduces the uninterrupted run's next losses exactly (to the 7 significant digits megatron logs), dropout on.
 
 The uninterrupted run is shared (tests/e2e/conftest.py). A single process on --mock-data with megatron's
 loader workers is tests/e2e/test_profiling.py's run without --profile; the level-1 flags applied through
@@ -31,9 +31,13 @@ MODEL = (
 ).split()
 
 
-def pretrain(nproc, *args, timeout=420, model=MODEL, env=None, script="examples/pretrain_gpt.py"):
+def pretrain(nproc, *args, timeout=420, model=MODEL, env=None, script="examples/pretrain_gpt.py", torchrun=False):
+    """Run ``script`` on ``nproc`` ranks; returns ({iteration: lm loss}, output). The ranks are forked from one
+    process that has imported torch (hyper_adaptor/testing/launch.py: torchrun's environment, a fraction of
+    its start-up cost); ``torchrun=True`` launches torchrun itself."""
+    launcher = ["torch.distributed.run"] if torchrun else ["hyper_adaptor.testing.launch"]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        sys.executable, "-m", *launcher, "--nproc-per-node", str(nproc),
         "--master-port", str(free_port()), script, *model, *args,
     ]
     # PYTHONFAULTHANDLER: a rank that hangs past the timeout is sent SIGABRT, and prints where every

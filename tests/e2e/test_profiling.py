@@ -1,4 +1,4 @@
-"""End to end: ``--profile`` through torchrun on examples/pretrain_gpt.py (mock data, the tiny MODEL).
+"""End to end: ``--profile`` on forked ranks of examples/pretrain_gpt.py (mock data, the tiny MODEL).
 
 MindSpeed's spelling on 4 ranks (TP2 x PP2): one trace for each chosen rank only, holding exactly the
 steps [start, end) (torch's ``ProfilerStep#<step>`` markers), with shapes; the summary printed by each
