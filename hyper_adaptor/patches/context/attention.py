@@ -117,7 +117,9 @@ def _wrap_forward(original):
         reason = unsupported_call(self, mask_type, attention_bias, packed_seq_params,
                                   (AttnMaskType.causal, AttnMaskType.no_mask))
         if reason is None and self.training and self.attention_dropout.p > 0.0:
-            reason = f"attention dropout {self.attention_dropout.p}"
+            # no dropout inside the block-wise softmax; megatron's default is 0.1, so say where to set it
+            reason = (f"attention dropout {self.attention_dropout.p} (set TransformerConfig.attention_dropout, "
+                      f"--attention-dropout, to 0)")
         if reason is not None:
             raise ContextParallelUnsupported(
                 f"--context-parallel-size {self.config.context_parallel_size} ({self.hyper_cp_algo}): "
