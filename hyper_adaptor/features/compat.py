@@ -51,6 +51,7 @@ class Compat(Feature):
             te_spec,
             torch_cpu,
         )
+        from hyper_adaptor.patches.context import library as context_library
 
         dev = platform.device_type()
         result = torch_cpu.torch_patches() if dev == "cpu" else []
@@ -58,7 +59,7 @@ class Compat(Feature):
             result += gloo_collectives.split_size_patches()
         return (
             result + backends.patches(dev) + fusion_switches.patches() + megatron_core.patches(dev)
-            + megatron_training.patches(dev) + te_spec.patches()
+            + megatron_training.patches(dev) + te_spec.patches() + context_library.patches()
         )
 
     def import_patches(self) -> list:

@@ -16,6 +16,11 @@ Two spellings pick the algorithm, so that both MindSpeed's and Megatron's launch
 ``adjust`` writes the algorithm asked with the first spelling into the second (the one megatron hands
 each layer's core attention), so that megatron also builds the hierarchical (Ulysses x ring) groups the
 hybrid algorithm runs on; ``validate`` refuses the two spellings disagreeing.
+
+Without a command line (megatron-core used as a library: a ``TransformerConfig(context_parallel_size=N,
+cp_comm_type=...)`` built by the framework) no flag requests this feature; level 0's wrap in
+``hyper_adaptor/patches/context/library.py`` applies it when such a config reaches the local attention at
+``HYPER_ADAPTOR_OPTIMIZATION_LEVEL`` >= 2, and otherwise lets megatron's assertion say how to get it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """--context-parallel-size on the local spec: the algorithm's two spellings, adjustments and bad input
 (one process, megatron's own argument parser)."""
 
+import inspect
+
 import pytest
 
 import hyper_adaptor.megatron_adaptor as adaptor_module
@@ -110,8 +112,11 @@ def cp2_attention():
                                attention_dropout=0.0, use_cpu_initialization=True)
     build = lambda: DotProductAttention(config, 1, AttnMaskType.causal, "self", cp_comm_type="a2a",  # noqa: E731
                                         pg_collection=ProcessGroupCollection(tp=dist.group.WORLD))
+    # megatron's own constructor (level 0 serves a CP config itself at level 2: patches/context/library.py)
     with pytest.raises(AssertionError, match="only supported by TEDotProductAttention"):
-        build()
+        inspect.unwrap(DotProductAttention.__init__)(DotProductAttention.__new__(DotProductAttention), config, 1,
+                                                     AttnMaskType.causal, "self", cp_comm_type="a2a",
+                                                     pg_collection=ProcessGroupCollection(tp=dist.group.WORLD))
     manager = PatchManager()
     manager.register_all(attention.patches(None))
     with manager.applied():

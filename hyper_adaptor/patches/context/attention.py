@@ -12,7 +12,12 @@ Two wraps on the one class megatron's local spec (GPT, MoE) builds for core atte
 
 The groups are megatron's: its CP group, and for the hybrid algorithm its hierarchical CP groups (built
 from ``--hierarchical-context-parallel-sizes U CP/U``: the first level is U consecutive CP ranks — the
-Ulysses group — the second the strided ranks — the ring), so nothing here creates a process group.
+Ulysses group — the second the strided ranks — the ring), so nothing here creates a process group. A
+module built with its own ``pg_collection`` (megatron-core library users) runs on that collection's ``cp``
+(and ``hcp``) groups instead.
+
+Without a command line (a ``TransformerConfig`` with CP > 1 built by a library user) the feature is applied
+by level 0's wrap below this one (``library.py``).
 """
 
 from __future__ import annotations
@@ -57,9 +62,12 @@ def _wrap_init(original):
         self.config = config
         bound = signature.bind(self, config, *args, **kwargs)
         comm_type = bound.arguments.get("cp_comm_type")
-        if comm_type not in COMM_TYPE_ALGO:
-            raise ContextParallelUnsupported(f"--cp-comm-type {comm_type!r} is not a context-parallel algorithm "
-                                             f"this attention serves ({', '.join(k for k in COMM_TYPE_ALGO if k)})")
+        if not isinstance(comm_type, (str, type(None))) or comm_type not in COMM_TYPE_ALGO:
+            # named both ways: megatron.training's flag, and the config field a library user sets
+            raise ContextParallelUnsupported(
+                f"cp_comm_type {comm_type!r} (TransformerConfig.cp_comm_type, --cp-comm-type) is not a "
+                f"context-parallel algorithm hyper_adaptor serves on the local spec; choose from "
+                f"{', '.join(k for k in COMM_TYPE_ALGO if k)}")
         self.hyper_cp_algo = COMM_TYPE_ALGO[comm_type]
 
     return __init__
@@ -73,13 +81,18 @@ def _groups(module):
     groups = getattr(module, "hyper_cp_groups", None)
     if groups is not None:
         return groups
-    cp = getattr(getattr(module, "pg_collection", None), "cp", None) or parallel_state.get_context_parallel_group()
+    # a library user may hand each layer its own groups (megatron's pg_collection), as TE's attention takes them
+    collection = getattr(module, "pg_collection", None)
+    cp = getattr(collection, "cp", None) or parallel_state.get_context_parallel_group()
     if module.hyper_cp_algo == "hybrid":
-        hierarchical = parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False)
+        hierarchical = (getattr(collection, "hcp", None)
+                        or parallel_state.get_hierarchical_context_parallel_groups(check_initialized=False))
         if not hierarchical or len(hierarchical) != 2:
             raise ContextParallelUnsupported(
-                "the hybrid context-parallel algorithm runs on megatron's hierarchical CP groups: pass "
-                "--ulysses-degree-in-cp K (or --hierarchical-context-parallel-sizes K CP/K)")
+                "the hybrid context-parallel algorithm (cp_comm_type 'a2a+p2p') runs on megatron's hierarchical "
+                "CP groups: pass --ulysses-degree-in-cp K (or --hierarchical-context-parallel-sizes K CP/K); "
+                "without a command line, initialize_model_parallel(hierarchical_context_parallel_sizes=[K, CP/K]) "
+                "or a pg_collection with hcp")
         ulysses, ring = hierarchical
         groups = CPGroups(cp=cp, ulysses=ulysses, ring=ring, ulysses_degree=ulysses.size())
     else:
@@ -104,7 +117,9 @@ def _wrap_forward(original):
         reason = unsupported_call(self, mask_type, attention_bias, packed_seq_params,
                                   (AttnMaskType.causal, AttnMaskType.no_mask))
         if reason is None and self.training and self.attention_dropout.p > 0.0:
-            reason = f"attention dropout {self.attention_dropout.p}"
+            # no dropout inside the block-wise softmax; megatron's default is 0.1, so say where to set it
+            reason = (f"attention dropout {self.attention_dropout.p} (set TransformerConfig.attention_dropout, "
+                      f"--attention-dropout, to 0)")
         if reason is not None:
             raise ContextParallelUnsupported(
                 f"--context-parallel-size {self.config.context_parallel_size} ({self.hyper_cp_algo}): "

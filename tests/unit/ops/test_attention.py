@@ -1,5 +1,6 @@
 """hyper_adaptor.ops.attention against its eager reference and megatron-core's DotProductAttention."""
 
+import inspect
 import math
 import os
 import subprocess
@@ -269,6 +270,6 @@ def test_mla_head_sizes_level0_and_level1_match_the_textbook_formula(megatron_st
                 backend_module.force_backend(None)
     # without level 0's wrap megatron's local module refuses the sizes
     with pytest.raises(TypeError, match="k_channels"):
-        unwrapped = DotProductAttention.__init__.__wrapped__
+        unwrapped = inspect.unwrap(DotProductAttention.__init__)  # below every wrap on it
         unwrapped(DotProductAttention.__new__(DotProductAttention), config, 1, AttnMaskType.causal,
                           "self", k_channels=hk, v_channels=hv)
