@@ -29,11 +29,12 @@ def free_port() -> int:
 
 
 # What a forkserver imports once, before it forks the ranks: torch and the parts of it megatron-core and the
-# engines import anyway (DTensor, dynamo: megatron decorates functions with torch.compile at import). This is
-# most of a rank's start-up (about 3.5 of 5 CPU-seconds here), paid once per test session instead of once per
-# rank. Nothing of hyper_adaptor or megatron is preloaded: the one line still runs in every rank, before
-# megatron, as in a pretrain script.
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo")
+# engines import anyway: DTensor, and what ``torch.compile`` imports when it is called (dynamo, inductor's
+# compile_fx, aot_autograd: megatron-core decorates some 40 functions with it at import). That is most of a
+# rank's start-up, paid once per test session instead of once per rank. Nothing of hyper_adaptor or megatron
+# is preloaded: the one line still runs in every rank, before megatron, as in a pretrain script.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch._inductor.compile_fx",
+           "torch._dynamo.backends.debugging")
 START_METHOD_ENV = "HYPER_ADAPTOR_WORLD_START_METHOD"
 
 
