@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hyper_adaptor.features.base import FeatureConfigError, asked, take_from_megatron
+from hyper_adaptor.features.base import FeatureConfigError
 from hyper_adaptor.mindspeed_flag_list import MINDSPEED_COMMIT, NOT_TRAINING_FLAGS, feature_doc_flags
 
 SAME, MAPPED, NOOP, REFUSED = "same", "mapped", "noop", "refused"
@@ -102,11 +102,10 @@ def _setting(**values) -> Callable:
 
 
 def _tp_extend_ep(args, value) -> None:
-    # the size as asked, so that preparing one namespace twice does not multiply twice
-    tp = getattr(args, "tensor_model_parallel_size", 1)
-    ep = asked(args, "expert_model_parallel_size", 1) or 1
-    take_from_megatron(args, "expert_model_parallel_size", ep * tp, "--moe-tp-extend-ep")
+    args.expert_model_parallel_size = getattr(args, "expert_model_parallel_size", 1) * \
+        getattr(args, "tensor_model_parallel_size", 1)
     args.expert_tensor_parallel_size = 1
+    args.moe_tp_extend_ep = False  # answered: a namespace prepared twice (adapt) must not multiply twice
 
 
 def _shared_experts(args, value) -> None:
@@ -563,8 +562,9 @@ one row per value):
 - **noop**: the flag only tunes a path of Ascend's (or of MindSpeed's own implementation) that does not
   run here, and training computes the same without it; accepted, with one notice saying why. Remove it
   when you like.
-- **refused**: there is nothing equivalent here; the run stops before megatron starts, with one error
-  naming the flag and what to use instead (exit status 2, like any bad flag). Remove or replace it.
+- **refused**: there is nothing equivalent here; the run stops in its argument checks, before any process
+  group or model is built, with one error naming the flag and what to use instead (exit status 2, like
+  any bad flag). Remove or replace it.
 
 A flag given with MindSpeed's default value asks for nothing and gets no notice. hyper_adaptor serves
 its features on every device (NPU, CUDA, CPU), so the Ascend-only switches that select MindSpeed's
