@@ -48,7 +48,7 @@ class Row:
     apply: Callable | None = field(default=None, compare=False)  # mapped: (args, value) -> the flags set
     matches: Callable | None = field(default=None, compare=False)  # instead of ``value``: which values
     example: str | None = None  # a value tests give a value flag (default: ``value``)
-    target: str = ""  # mapped: the flags it becomes
+    target: str = ""  # mapped: the flags it becomes ({names}: the value in hyper_adaptor's names)
 
     @property
     def dest(self) -> str:
@@ -76,7 +76,9 @@ class Row:
     def notice(self, value) -> str:
         flag = self.shown(value)
         if self.disposition == MAPPED:
-            return f"{flag} (MindSpeed's) -> {self.target}: {self.note}"
+            target = self.target.replace("{names}", " ".join(_swap_names(value))) if "{names}" in self.target \
+                else self.target
+            return f"{flag} (MindSpeed's) -> {target}: {self.note}"
         if self.disposition == NOOP:
             return f"{flag} (MindSpeed's): accepted, nothing to do here: {self.note}"
         if self.disposition == REFUSED:
@@ -129,6 +131,13 @@ def _balanced_moe(args, value) -> None:
         args.moe_hot_expert_replicas = getattr(args, "balanced_moe_hot_expert_num", 3)
 
 
+def _tokenizer_path(args, value) -> None:
+    if getattr(args, "tokenizer_model", None) not in (None, value):
+        raise FeatureConfigError(f"--tokenizer-name-or-path {value} (MindSpeed's; --tokenizer-model here) disagrees "
+                                 f"with --tokenizer-model {args.tokenizer_model}; give one of them")
+    args.tokenizer_model = value
+
+
 def _replicas(args, value) -> None:
     args.moe_hot_expert_replicas = value
 
@@ -155,14 +164,18 @@ def _mindspeed_swap_list(value) -> bool:
     return any("," in item or item in SWAP_MODULE_NAMES and item != "mlp" for item in items)
 
 
-def _swap_modules(args, value) -> None:
+def _swap_names(value) -> list[str]:
     names = []
-    for item in value:
+    for item in value if isinstance(value, (list, tuple)) else [value]:
         for name in item.split(","):
             name = SWAP_MODULE_NAMES.get(name.strip(), name.strip())
             if name and name not in names:
                 names.append(name)
-    args.swap_modules = names
+    return names
+
+
+def _swap_modules(args, value) -> None:
+    args.swap_modules = _swap_names(value)
 
 
 class _AlsoMindSpeedSwapLists(tuple):
@@ -277,7 +290,7 @@ ROWS: tuple[Row, ...] = (
         "gradients", SWITCH),
     # -- memory
     Row("--swap-attention", SAME),
-    Row("--swap-modules", MAPPED, target="--swap-modules with hyper_adaptor's names",
+    Row("--swap-modules", MAPPED, target="--swap-modules {names}",
         note="MindSpeed's comma list of a layer's submodules becomes hyper_adaptor's names (norms: layernorm, "
              "self_attention: self_attn)",
         matches=_mindspeed_swap_list, apply=_swap_modules, example="input_norm,self_attention,post_attention_norm"),
@@ -320,8 +333,8 @@ ROWS: tuple[Row, ...] = (
         "--hsdp-*", _value(str), example="fsdp2.yaml"),
     Row("--reset-bucket-group-order", NOOP, "reorders MindSpeed's parameter all-gather buckets; megatron's "
         "distributed optimizer gathers the same parameters", SWITCH),
-    Row("--async-log-allreduce", NOOP, "hides the host wait of MindSpeed's loss all-reduce on Ascend; the logged "
-        "loss is the same", SWITCH),
+    Row("--async-log-allreduce", NOOP, "makes MindSpeed's all-reduce of the logged loss asynchronous; megatron "
+        "reduces it in the step, and logs the same loss", SWITCH),
     Row("--disable-gloo-group", MAPPED, target="--disable-gloo-process-groups",
         note="neither creates gloo groups; checkpoints gather over the device's backend",
         shape=SWITCH, apply=_setting(use_gloo_process_groups=False)),
@@ -419,8 +432,12 @@ ROWS: tuple[Row, ...] = (
     Row("--master-port", REFUSED, "read on the training line only by MindSpeed's parallel-settings search; "
         "torchrun's --master-port sets it", _value(int, 29500), example="6000"),
     Row("--use-legacy-models", REFUSED, "megatron-core 0.19 has only its core models; drop it", SWITCH),
-    Row("--tokenizer-name-or-path", REFUSED, "use --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH",
-        _value(str), example="./tokenizer"),
+    Row("--tokenizer-type", MAPPED, target="--tokenizer-type HuggingFaceTokenizer",
+        note="both load a Hugging Face tokenizer from a name or directory", value="PretrainedFromHF",
+        apply=_setting(tokenizer_type="HuggingFaceTokenizer")),
+    Row("--tokenizer-name-or-path", MAPPED, target="--tokenizer-model",
+        note="megatron's HuggingFaceTokenizer loads the name or directory given to --tokenizer-model",
+        shape=_value(str), apply=_tokenizer_path, example="./tokenizer"),
 )
 
 # Megatron's own flags the pages name: megatron defines each with MindSpeed's meaning (MindSpeed passes them
@@ -448,7 +465,7 @@ MEGATRON_FLAGS = (
     "--qk-pos-emb-head-dim", "--recompute-activations", "--recompute-granularity", "--recompute-method",
     "--recompute-num-layers", "--reset-attention-mask", "--reset-position-ids", "--rotary-scaling-factor",
     "--save", "--save-interval", "--seq-length", "--sequence-parallel", "--split", "--swiglu",
-    "--tensor-model-parallel-size", "--tokenizer-model", "--tokenizer-type", "--train-iters",
+    "--tensor-model-parallel-size", "--tokenizer-model", "--train-iters",
     "--transformer-impl", "--untie-embeddings-and-output-weights", "--use-distributed-optimizer",
     "--use-flash-attn", "--use-mcore-models", "--use-torch-fsdp2", "--v-head-dim", "--weight-decay",
 )
@@ -585,7 +602,7 @@ def markdown() -> str:
         value = f"`{row.value}`" if row.value else ("other values" if len(rows_of(row.flag)) > 1 else "")
         answer = row.note or "hyper_adaptor's flag, with MindSpeed's meaning"
         if row.disposition == MAPPED:
-            answer = f"`{row.target}`: {row.note}"
+            answer = f"`{row.target.replace('{names}', 'NAME...')}`: {row.note}"
         lines.append(f"| `{row.flag}` | {value} | {row.disposition} | {answer} | {page_of(row.flag)} |")
     lines += ["", f"## Megatron's own flags on MindSpeed's pages ({len(MEGATRON_FLAGS)}): same", "",
               "Megatron defines each with MindSpeed's meaning; they work here as megatron defines them: "
