@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = [sys.argv[0]] + rest
         return checkpoint_cli.main(rest)
     if command == "mindspeed-flags":
-        from hyper_adaptor import mindspeed_flags
+        from hyper_adaptor import mindspeed_guide
 
-        return mindspeed_flags.main(rest)
+        return mindspeed_guide.main(rest)
     print(f"unknown command {command!r}; known: describe, checkpoint, mindspeed-flags", file=sys.stderr)
     return 2

@@ -9,7 +9,7 @@ name shares the flag's words first). Two spellings with underscores (``--use_leg
 
 from __future__ import annotations
 
-MINDSPEED_REPOSITORY = "https://gitee.com/ascend/MindSpeed (GitHub mirror Ascend/MindSpeed)"
+MINDSPEED_REPOSITORY = "Ascend/MindSpeed"
 MINDSPEED_COMMIT = "028de58ca629d035185b00ff7d1eb7eff4f7fd48"
 
 # feature page (under docs/zh/features/, without .md) -> the flags filed under it
