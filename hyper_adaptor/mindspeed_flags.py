@@ -505,7 +505,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _help(rows: list[Row]) -> str:
     if len(rows) == 1:
-        return f"MindSpeed's; {rows[0].disposition} here: {rows[0].note}".replace("%", "%%")
+        row = rows[0]
+        becomes = f" to {row.target.replace('{names}', 'NAME...')}" if row.disposition == MAPPED else ""
+        return f"MindSpeed's; {row.disposition}{becomes} here: {row.note}".replace("%", "%%")
     answers = ", ".join(f"{row.value or 'other values'}: {row.disposition}" for row in rows)
     return f"MindSpeed's; {answers}".replace("%", "%%")
 
