@@ -88,12 +88,13 @@ def _validate(adaptor, args, world: int | None, source: str) -> tuple[list[str],
 def describe(flags: list[str], out=None) -> int:
     """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core.
     Bad input: the message on stderr and SystemExit(2), as argparse."""
-    from hyper_adaptor import megatron_adaptor, usage
+    from hyper_adaptor import megatron_adaptor, mindspeed_flags, usage
     from hyper_adaptor.features import FEATURES, LEVEL_NAMES
 
     out = out or sys.stdout
     adaptor = megatron_adaptor.ADAPTOR
     args = _parse_megatron_flags(flags)
+    mindspeed = mindspeed_flags.given(args)  # before the checks turn them into ours
     world = None
     try:
         world, source = _world_size(args)
@@ -122,6 +123,7 @@ def describe(flags: list[str], out=None) -> int:
               f"{', '.join(usage.flag(dest) for dest in missing)} (so does a training run)", file=out)
     else:
         print("megatron's own argument checks (validate_args): passed", file=out)
+    mindspeed_flags.describe(mindspeed, out)
     if adjustments:
         print("\nadjustments to megatron's arguments:", file=out)
         for message in adjustments:
@@ -163,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m hyper_adaptor describe [megatron and hyper_adaptor flags]\n"
-              "       python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] [-- <training flags>]")
+              "       python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] [-- <training flags>]\n"
+              "       python -m hyper_adaptor mindspeed-flags --markdown")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "describe":
@@ -175,5 +178,9 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.argv = [sys.argv[0]] + rest
         return checkpoint_cli.main(rest)
-    print(f"unknown command {command!r}; known: describe, checkpoint", file=sys.stderr)
+    if command == "mindspeed-flags":
+        from hyper_adaptor import mindspeed_guide
+
+        return mindspeed_guide.main(rest)
+    print(f"unknown command {command!r}; known: describe, checkpoint, mindspeed-flags", file=sys.stderr)
     return 2

@@ -27,7 +27,7 @@ import sys
 
 import torch  # noqa: F401  (the adaptor is imported after torch, as in Megatron's scripts)
 
-from hyper_adaptor import features, megatron_version, platform
+from hyper_adaptor import features, megatron_version, mindspeed_flags, platform
 from hyper_adaptor.features import DEFAULT_LEVEL, FEATURES, FeatureConfigError
 from hyper_adaptor.features.base import restore_hidden
 from hyper_adaptor.notice import notice
@@ -60,6 +60,7 @@ def _add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     for feature in FEATURES:
         feature.add_arguments(parser)
+    mindspeed_flags.add_arguments(parser)  # after ours: a flag defined here is ours (the table answers it)
     return parser
 
 
@@ -138,6 +139,11 @@ class Adaptor:
                 f"--device-type {args.device_type} differs from the device chosen at import "
                 f"({self.device_type}); pass it on the command line or set HYPER_ADAPTOR_DEVICE"
             )
+        # MindSpeed's flags become ours before any feature reads them (a refused one ends here); their
+        # notices are said, and describe lists them in a section of their own
+        mindspeed = mindspeed_flags.apply(args)
+        for message in mindspeed if say else ():
+            notice(message)
         notices = []
         # compat (first in FEATURES) switches platform-unworkable defaults before any other feature
         # looks at them, so that features adjust and validate the arguments the run will really use
