@@ -16,7 +16,9 @@ base seed against dense float64 attention over the whole sequence with the mask 
 the whole sequence (outputs and q/k/v gradients, ``TOL``: the gradients match only if the backward
 regenerates the forward's masks); and megatron blocks with ``attention_dropout`` 0.1: in eval mode equal to
 the CP 1 block without dropout, in training mode dropping (a fresh mask per forward, the same one after
-the same ``model_parallel_cuda_manual_seed``: the base seed comes from megatron's RNG tracker's stream).
+the same ``model_parallel_cuda_manual_seed``: the base seed comes from megatron's RNG tracker's stream);
+and the ``ContextParallel`` style on a module with ``attention_dropout``: in training the same reference
+(base seed from ``torch.manual_seed``), in eval none.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def config_checks(rank: int, world_size: int) -> dict:
     return result
 
 
-def _dropped_reference(q, k, v, dout, keep, causal):
+def _dropped_reference(q, k, v, dout, keep, causal, p=DROPOUT):
     """(out, dq, dk, dv): dense float64 attention over the whole sequence with the keep-mask ``keep``."""
     xs = [t.double().requires_grad_() for t in (q, k, v)]
     qh, kh, vh = (t.permute(1, 2, 0, 3) for t in xs)
@@ -172,7 +174,7 @@ def _dropped_reference(q, k, v, dout, keep, causal):
     scores = qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5
     if causal:
         scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
-    out = ((torch.softmax(scores, -1) * keep / (1 - DROPOUT)) @ vh).permute(2, 0, 1, 3)
+    out = ((torch.softmax(scores, -1) * keep / (1 - p)) @ vh).permute(2, 0, 1, 3)
     out.backward(dout.double())
     return [out.detach()] + [t.grad for t in xs]
 
@@ -220,12 +222,49 @@ def _engine_parity(collections, rank) -> dict:
     return failures
 
 
+class _Core(torch.nn.Module):
+    """A core-attention module as the style sees it: only its attention_dropout is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention_dropout = torch.nn.Dropout(DROPOUT)
+
+
+def _style_checks(rank) -> dict:
+    """The ParallelStyle takes the module's attention_dropout in training, none in eval; its base seed comes
+    from the default generator (torch.manual_seed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyper_adaptor.parallel.context import ContextParallel, Dropout
+    from hyper_adaptor.parallel.context._dropout import draw_seed
+
+    core = parallelize_module(_Core(), init_device_mesh("cpu", (2,)),
+                              ContextParallel(seq_dim=0, head_dim=2, load_balance=True, algo="ring"))
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(SEQ, BATCH, 2, 8, generator=generator) for _ in range(4))
+    mine, everywhere = _positions(rank, 2), torch.arange(SEQ)
+    torch.manual_seed(7)
+    keep = Dropout(DROPOUT, draw_seed("cpu")).keep(everywhere, everywhere, BATCH, 2)
+    result = {}
+    for mode, mask, p in (("train", keep, DROPOUT), ("eval", torch.ones_like(keep), 0.0)):
+        core.train(mode == "train")
+        torch.manual_seed(7)
+        out = core(q[mine], k[mine], v[mine])
+        want = _dropped_reference(q, k, v, dout, mask, True, p)
+        result[f"style {mode}"] = compare("out", out, want[0][mine], TOL)
+    result["style dropout_p=1 refused"] = [] if "dropout_p (context-parallel attention dropout) must be a number in " \
+        "[0, 1), got 1.0" in _error(lambda: ContextParallel(dropout_p=1.0)) else ["no clear error"]
+    return result
+
+
 def dropout_checks(collections, reference, x, dout, want_out, mine) -> dict:
     """See the module doc; every entry a list of failures (empty: passed)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     rank = dist.get_rank()
     result = _engine_parity(collections, rank)
+    result.update(_style_checks(rank))
     for comm_type in ("p2p", "a2a"):
         block = _block(_config(2, comm_type, attention_dropout=0.1))
         block.load_state_dict(reference.state_dict())

@@ -67,7 +67,7 @@ def test_hybrid_without_hierarchical_groups_is_a_clear_error(ranks):
 
 DROPOUT_CHECKS = [f"{name} causal={causal} load_balanced={lb}" for name in DROPOUT_ALGOS for causal in (True, False)
                   for lb in (True, False)] + [
-    "another seed differs", "fresh seed per call",
+    "another seed differs", "fresh seed per call", "style train", "style eval", "style dropout_p=1 refused",
     "p2p eval = CP 1 without dropout", "p2p training drops, seeded by the RNG tracker",
     "a2a eval = CP 1 without dropout", "a2a training drops, seeded by the RNG tracker"]
 

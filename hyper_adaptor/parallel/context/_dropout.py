@@ -47,9 +47,9 @@ def draw_seed(device) -> torch.Tensor:
     return torch.randint(0, _M32, (), dtype=torch.int64, device=device)
 
 
-def check_p(p) -> float:
+def check_p(p, name: str = "dropout_p") -> float:
     if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-        raise ValueError(f"context parallel: attention dropout must be a number in [0, 1), got {p!r}")
+        raise ValueError(f"{name} (context-parallel attention dropout) must be a number in [0, 1), got {p!r}")
     return float(p)
 
 
