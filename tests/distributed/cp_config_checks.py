@@ -236,8 +236,7 @@ def _style_checks(rank) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from hyper_adaptor.parallel.context import ContextParallel, Dropout
-    from hyper_adaptor.parallel.context._dropout import draw_seed
+    from hyper_adaptor.parallel.context import ContextParallel, Dropout, draw_seed
 
     core = parallelize_module(_Core(), init_device_mesh("cpu", (2,)),
                               ContextParallel(seq_dim=0, head_dim=2, load_balance=True, algo="ring"))

@@ -65,4 +65,4 @@ def context_parallel_attention(q, k, v, *, groups: CPGroups, algo: str, causal: 
 
 
 __all__ = ["ALGORITHMS", "CPGroups", "ContextParallel", "Dropout", "RingStats", "build_cp_groups",
-           "context_parallel_attention", "ring_attention"]
+           "context_parallel_attention", "draw_seed", "ring_attention"]

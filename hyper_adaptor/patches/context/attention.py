@@ -110,8 +110,7 @@ def _wrap_forward(original):
         if self.config.context_parallel_size == 1:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        from hyper_adaptor.parallel.context import context_parallel_attention
-        from hyper_adaptor.parallel.context._dropout import draw_seed
+        from hyper_adaptor.parallel.context import context_parallel_attention, draw_seed
 
         from megatron.core.transformer.enums import AttnMaskType
 

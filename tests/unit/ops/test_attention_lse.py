@@ -157,7 +157,7 @@ def _dropped_reference(q, k, v, dout, keep, p, hidden, scale):
 
 
 def _keep(seed, sq, sk, b, np_, q_start=0, k_start=0, p=0.3):
-    from hyper_adaptor.parallel.context._dropout import Dropout
+    from hyper_adaptor.parallel.context import Dropout
 
     spec = Dropout(p, torch.tensor(seed))
     return spec.keep(torch.arange(q_start, q_start + sq), torch.arange(k_start, k_start + sk), b, np_)
@@ -217,7 +217,7 @@ def test_dropout_mask_is_a_function_of_seed_and_global_position():
     assert (keep != _keep(4, 64, 64, 2, 4)).float().mean() > 0.3  # another seed, another mask
     # any cut (rows, keys, heads) is the same cut of the one mask
     assert torch.equal(_keep(3, 16, 8, 2, 4, q_start=40, k_start=8), keep[..., 40:56, 8:16])
-    from hyper_adaptor.parallel.context._dropout import Dropout
+    from hyper_adaptor.parallel.context import Dropout
 
     spec = Dropout(0.3, torch.tensor(3), head_offset=2)
     assert torch.equal(spec.keep(torch.arange(64), torch.arange(64), 2, 2), keep[:, 2:])
