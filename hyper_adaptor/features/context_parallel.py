@@ -161,10 +161,6 @@ class ContextParallel(Feature):
             "multi_latent_attention": "--multi-latent-attention (key and value head sizes differ)",
         }
         refuse_combined(args, f"--context-parallel-size {size}", refused)
-        if (getattr(args, "attention_dropout", 0.0) or 0.0) > 0.0:
-            raise FeatureConfigError(f"--context-parallel-size {size}: attention dropout is not served by the "
-                                     f"context-parallel attention; set --attention-dropout 0 "
-                                     f"(got {args.attention_dropout})")
         if getattr(args, "window_size", None) is not None:
             raise FeatureConfigError(f"--context-parallel-size {size} cannot be combined with --window-size "
                                      "(sliding-window attention)")

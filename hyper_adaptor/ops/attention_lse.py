@@ -8,6 +8,13 @@ A block's backward needs only the row's FINAL out and lse, not the block's parti
 P = exp(s - lse) is the block's slice of the full softmax, so with D = rowsum(dout * out)
     dv = P^T dout,   dS = P * (dout v^T - D),   dq = dS k * scale,   dk = dS^T q * scale.
 
+Dropout (context parallel's attention dropout): with a keep-mask M of the block and keep scale
+1 / (1 - p), the forward is out = (P * M / (1 - p)) v with the lse of the UNMASKED scores (so merging is
+unchanged), and with the final out and lse
+    dv = (P * M / (1 - p))^T dout,   dS = P * ((dout v^T) * M / (1 - p) - D);
+D = rowsum(dout * out) stays right because out is the dropped output. The caller passes the block's mask
+(``keep``) in both passes; hyper_adaptor/parallel/context/_dropout.py regenerates it from a seed.
+
 Layouts: q [sq, b, np, hn], k/v [sk, b, ng, hn] -> out [sq, b, np, hn] in q's dtype, lse [b, np, sq]
 float32 (float64 for float64 inputs). causal=True only for a diagonal block (sq == sk, the lower
 triangle): a ring never needs an offset causal block, and refusing one keeps the kernels' different
@@ -15,7 +22,10 @@ alignments (PyTorch's top-left, megatron's bottom-right) out of the question.
 
 Backends:
 - eager: the formulas above with plain matmuls in fp32 (the reference); kv heads repeated for GQA and
-  their gradients summed back over the group.
+  their gradients summed back over the group. The only backend that takes a dropout mask: PyTorch's
+  kernels and torch_npu's draw their own masks from their own RNG (or none, the CPU flash kernel), which
+  cannot follow a mask given per block by global position, so a call with ``keep`` runs eager on any
+  device (one notice when another backend was first in line).
 - fast: PyTorch's private kernels that return the lse (reached only from ``_kernel_forward`` /
   ``_kernel_backward``). CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward, which
   serve GQA without copying (query head h reads kv head h // (np // ng)) and take any out/lse. CUDA:
@@ -37,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from hyper_adaptor.ops.attention import NPU_COMPRESSED_MASK, _check, _heads_first, _npu_supports, causal_mask
-from hyper_adaptor.ops.backend import Impl, Op, npu_module
+from hyper_adaptor.ops.backend import Impl, Op, notice, npu_module
 
 __all__ = ["attention_with_lse", "attention_lse_backward", "attention_lse_op", "attention_lse_backward_op",
            "merge_attention"]
@@ -79,23 +89,28 @@ def _eager_scores(q, k, causal, scale):
     return qh, kh, scores
 
 
-def _eager_lse(q, k, v, *, causal, scale=None):
+def _dropped(probs, keep, dropout_p):
+    return probs if keep is None else probs * keep.to(probs.dtype) * (1.0 / (1.0 - dropout_p))
+
+
+def _eager_lse(q, k, v, *, causal, scale=None, keep=None, dropout_p=0.0):
     _, _, scores = _eager_scores(q, k, causal, _scale_of(q, scale))
     lse = torch.logsumexp(scores, dim=-1)
     vh = _heads_first(v).to(lse.dtype).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vh)
+    out = torch.matmul(_dropped(torch.exp(scores - lse.unsqueeze(-1)), keep, dropout_p), vh)
     return _seq_first(out).to(q.dtype), lse
 
 
-def _eager_lse_backward(dout, q, k, v, out, lse, *, causal, scale=None):
+def _eager_lse_backward(dout, q, k, v, out, lse, *, causal, scale=None, keep=None, dropout_p=0.0):
     scale = _scale_of(q, scale)
     qh, kh, scores = _eager_scores(q, k, causal, scale)
     dt, ng = scores.dtype, k.shape[2]
     probs = torch.exp(scores - lse.to(dt).unsqueeze(-1))
     vh = _heads_first(v).to(dt).repeat_interleave(q.shape[2] // ng, dim=1)
     do, o = _heads_first(dout).to(dt), _heads_first(out).to(dt)
-    dv = torch.matmul(probs.transpose(-1, -2), do)
-    ds = probs * (torch.matmul(do, vh.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True)) * scale
+    dv = torch.matmul(_dropped(probs, keep, dropout_p).transpose(-1, -2), do)
+    dprobs = _dropped(torch.matmul(do, vh.transpose(-1, -2)), keep, dropout_p)
+    ds = probs * (dprobs - (do * o).sum(-1, keepdim=True)) * scale
     dq = torch.matmul(ds, kh)
     dk = torch.matmul(ds.transpose(-1, -2), qh)
     return (_seq_first(dq).to(q.dtype), _seq_first(_sum_groups(dk, ng)).to(k.dtype),
@@ -218,25 +233,56 @@ attention_lse_backward_op = Op(
 )
 
 
+def _check_keep(name, q, k, keep, dropout_p):
+    shape = (q.shape[1], q.shape[2], q.shape[0], k.shape[0])
+    if keep is None:
+        if dropout_p:
+            raise ValueError(f"{name}: dropout_p={dropout_p} needs the block's keep mask")
+        return
+    if keep.dtype != torch.bool or tuple(keep.shape) != shape or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{name}: keep must be a bool mask {shape} [b, np, sq, sk] and dropout_p in [0, 1); "
+                         f"got {keep.dtype} {tuple(keep.shape)}, dropout_p={dropout_p}")
+
+
+def _eager_for_dropout(op, backend):
+    first = op.chain(backend)[0]
+    if first != "eager":
+        notice(op.name, first, "attention dropout with a mask given per block (context parallel)", "eager")
+    op.calls["eager"] += 1
+
+
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                       scale: float | None = None, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float | None = None, backend: str | None = None, keep: torch.Tensor | None = None,
+                       dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [sq, b, np, hn] over k, v [sk, b, ng, hn] -> (out [sq, b, np, hn] in q's dtype,
     lse [b, np, sq] float32); ``causal`` only for sq == sk. No autograd: ``attention_lse_backward`` is
-    the gradient."""
+    the gradient. ``keep`` (bool [b, np, sq, sk]) with ``dropout_p``: attention dropout with that mask
+    (eager backend); the lse is the unmasked one."""
     _check_block("attention_with_lse", q, k, v, causal)
+    _check_keep("attention_with_lse", q, k, keep, dropout_p)
+    if keep is not None:
+        _eager_for_dropout(attention_lse_op, backend)
+        return _eager_lse(q, k, v, causal=causal, scale=scale, keep=keep, dropout_p=dropout_p)
     return attention_lse_op(q, k, v, causal=causal, scale=scale, backend=backend)
 
 
 def attention_lse_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, *, causal: bool, scale: float | None = None,
-                           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           backend: str | None = None, keep: torch.Tensor | None = None,
+                           dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq [sq, b, np, hn], dk, dv [sk, b, ng, hn]) of one block, in the inputs' dtypes, from the rows'
-    final ``out`` and ``lse`` (a ring passes its merged ones); kv gradients summed over the GQA group."""
+    final ``out`` and ``lse`` (a ring passes its merged ones); kv gradients summed over the GQA group.
+    ``keep`` and ``dropout_p``: the mask the forward used (eager backend)."""
     _check_block("attention_lse_backward", q, k, v, causal)
     sq, b, n, _ = q.shape
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, n, sq):
         raise ValueError(f"attention_lse_backward: dout and out must be {tuple(q.shape)} and lse {(b, n, sq)}; "
                          f"got {tuple(dout.shape)}, {tuple(out.shape)}, {tuple(lse.shape)}")
+    _check_keep("attention_lse_backward", q, k, keep, dropout_p)
+    if keep is not None:
+        _eager_for_dropout(attention_lse_backward_op, backend)
+        return _eager_lse_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, keep=keep,
+                                   dropout_p=dropout_p)
     return attention_lse_backward_op(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
 
 

@@ -10,6 +10,15 @@ gradient; parameter gradients are summed over the CP group (megatron reduces the
 
 Compared, relative to max(1, the reference's largest magnitude): the output chunks, the input gradient
 chunks and every parameter gradient, within ``TOL`` (fp32; the block-wise softmax only reorders sums).
+
+Attention dropout (``dropout_checks``): each algorithm's engine at CP 2 with dropout ``DROPOUT`` and a fixed
+base seed against dense float64 attention over the whole sequence with the mask ``Dropout.keep`` gives for
+the whole sequence (outputs and q/k/v gradients, ``TOL``: the gradients match only if the backward
+regenerates the forward's masks); and megatron blocks with ``attention_dropout`` 0.1: in eval mode equal to
+the CP 1 block without dropout, in training mode dropping (a fresh mask per forward, the same one after
+the same ``model_parallel_cuda_manual_seed``: the base seed comes from megatron's RNG tracker's stream);
+and the ``ContextParallel`` style on a module with ``attention_dropout``: in training the same reference
+(base seed from ``torch.manual_seed``), in eval none.
 """
 
 from __future__ import annotations
@@ -23,6 +32,10 @@ from tests.distributed.cp_checks import compare
 
 SEQ, BATCH, HIDDEN, HEADS = 16, 2, 32, 4
 TOL = 1e-5
+DROPOUT = 0.1
+# dropout parity: (algorithm, the CPGroups layout), each causal or not, load-balanced or contiguous
+DROPOUT_ALGOS = {"ring": None, "allgather": None, "ulysses": None,
+                 "hybrid 2x1": "ulysses x ring 2x1", "hybrid 1x2": "ulysses x ring 1x2"}
 LEVEL_ENV = "HYPER_ADAPTOR_OPTIMIZATION_LEVEL"
 # name: (cp_comm_type, the algorithm each of the 2 layers must run, the groups handed to the block)
 LAYOUTS = {
@@ -41,11 +54,12 @@ LAYOUTS = {
 }
 
 
-def _config(cp: int = 1, cp_comm_type=None):
+def _config(cp: int = 1, cp_comm_type=None, attention_dropout=0.0):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, hidden_dropout=0.0,
-                             attention_dropout=0.0, use_cpu_initialization=True, context_parallel_size=cp,
+                             attention_dropout=attention_dropout, use_cpu_initialization=True,
+                             context_parallel_size=cp,
                              cp_comm_type=cp_comm_type)
 
 
@@ -147,4 +161,128 @@ def config_checks(rank: int, world_size: int) -> dict:
             for core in layers)
 
     result["errors"]["unimplemented"] = _error(lambda: _block(_config(2, "a2a+a2a")))
+    result["dropout"] = dropout_checks(collections, reference, x, dout, want_out, mine)
+    return result
+
+
+def _dropped_reference(q, k, v, dout, keep, causal, p=DROPOUT):
+    """(out, dq, dk, dv): dense float64 attention over the whole sequence with the keep-mask ``keep``."""
+    xs = [t.double().requires_grad_() for t in (q, k, v)]
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in xs)
+    groups = q.shape[2] // k.shape[2]
+    kh, vh = kh.repeat_interleave(groups, 1), vh.repeat_interleave(groups, 1)
+    scores = qh @ kh.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    out = ((torch.softmax(scores, -1) * keep / (1 - p)) @ vh).permute(2, 0, 1, 3)
+    out.backward(dout.double())
+    return [out.detach()] + [t.grad for t in xs]
+
+
+def _engine_parity(collections, rank) -> dict:
+    from hyper_adaptor.parallel.context import CPGroups, Dropout, context_parallel_attention
+
+    generator = torch.Generator().manual_seed(2)
+    np_, ng, hn = 4, 2, 8
+    q = torch.randn(SEQ, BATCH, np_, hn, generator=generator)
+    k, v = (torch.randn(SEQ, BATCH, ng, hn, generator=generator) for _ in range(2))
+    dout = torch.randn(SEQ, BATCH, np_, hn, generator=generator)
+    everywhere = torch.arange(SEQ)
+    keep = Dropout(DROPOUT, torch.tensor(1234)).keep(everywhere, everywhere, BATCH, np_)
+    failures = {}
+    for causal in (True, False):
+        want = _dropped_reference(q, k, v, dout, keep, causal)
+        for load_balanced in (True, False):
+            mine = _positions(rank, 2) if load_balanced else torch.arange(rank * SEQ // 2, (rank + 1) * SEQ // 2)
+            for name, layout in DROPOUT_ALGOS.items():
+                collection = collections[layout] if layout else None
+                if collection is None:
+                    groups = CPGroups(cp=collections["own"].cp, ulysses=None, ring=None,
+                                      ulysses_degree=2 if name == "ulysses" else 1)
+                else:
+                    ulysses, ring = collection.hcp
+                    groups = CPGroups(cp=collection.cp, ulysses=ulysses, ring=ring, ulysses_degree=ulysses.size())
+                mine_qkv = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+                out = context_parallel_attention(*mine_qkv, groups=groups, algo=name.split()[0], causal=causal,
+                                                 load_balanced=load_balanced, dropout_p=DROPOUT, dropout_seed=1234)
+                out.backward(dout[mine])
+                key = f"{name} causal={causal} load_balanced={load_balanced}"
+                failures[key] = compare("out", out, want[0][mine], TOL) + sum(
+                    (compare(f"d{t}", x.grad, g[mine], TOL) for t, x, g in zip("qkv", mine_qkv, want[1:])), [])
+    # the comparison can fail: another seed is another mask (the last reference: not causal, contiguous)
+    groups = CPGroups(cp=collections["own"].cp, ulysses=None, ring=None, ulysses_degree=1)
+    other = context_parallel_attention(q[mine], k[mine], v[mine], groups=groups, algo="ring", causal=False,
+                                       load_balanced=False, dropout_p=DROPOUT, dropout_seed=99)
+    failures["another seed differs"] = [] if compare("out", other, want[0][mine], TOL) else ["same output"]
+    # a fresh seed per call when none is given
+    first, second = (context_parallel_attention(q[mine], k[mine], v[mine], groups=groups, algo="ring",
+                                                causal=True, load_balanced=False, dropout_p=DROPOUT)
+                     for _ in range(2))
+    failures["fresh seed per call"] = [] if compare("out", first, second, TOL) else ["same output twice"]
+    return failures
+
+
+class _Core(torch.nn.Module):
+    """A core-attention module as the style sees it: only its attention_dropout is read."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention_dropout = torch.nn.Dropout(DROPOUT)
+
+
+def _style_checks(rank) -> dict:
+    """The ParallelStyle takes the module's attention_dropout in training, none in eval; its base seed comes
+    from the default generator (torch.manual_seed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from hyper_adaptor.parallel.context import ContextParallel, Dropout, draw_seed
+
+    core = parallelize_module(_Core(), init_device_mesh("cpu", (2,)),
+                              ContextParallel(seq_dim=0, head_dim=2, load_balance=True, algo="ring"))
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(SEQ, BATCH, 2, 8, generator=generator) for _ in range(4))
+    mine, everywhere = _positions(rank, 2), torch.arange(SEQ)
+    torch.manual_seed(7)
+    keep = Dropout(DROPOUT, draw_seed("cpu")).keep(everywhere, everywhere, BATCH, 2)
+    result = {}
+    for mode, mask, p in (("train", keep, DROPOUT), ("eval", torch.ones_like(keep), 0.0)):
+        core.train(mode == "train")
+        torch.manual_seed(7)
+        out = core(q[mine], k[mine], v[mine])
+        want = _dropped_reference(q, k, v, dout, mask, True, p)
+        result[f"style {mode}"] = compare("out", out, want[0][mine], TOL)
+    result["style dropout_p=1 refused"] = [] if "dropout_p (context-parallel attention dropout) must be a number in " \
+        "[0, 1), got 1.0" in _error(lambda: ContextParallel(dropout_p=1.0)) else ["no clear error"]
+    return result
+
+
+def dropout_checks(collections, reference, x, dout, want_out, mine) -> dict:
+    """See the module doc; every entry a list of failures (empty: passed)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    rank = dist.get_rank()
+    result = _engine_parity(collections, rank)
+    result.update(_style_checks(rank))
+    for comm_type in ("p2p", "a2a"):
+        block = _block(_config(2, comm_type, attention_dropout=0.1))
+        block.load_state_dict(reference.state_dict())
+        block.eval()
+        with torch.no_grad():
+            evaluated = block(hidden_states=x[mine], attention_mask=None)
+        result[f"{comm_type} eval = CP 1 without dropout"] = compare("eval out", evaluated, want_out[mine], TOL)
+        block.train()
+        runs = []
+        for seed in (5, 6, 5):
+            # megatron draws attention dropout from its model-parallel RNG stream (the tracker's fork)
+            model_parallel_cuda_manual_seed(seed)
+            runs.append(_run(block, x[mine], dout[mine]))
+        failures = []
+        if not compare("train out", runs[0][0], want_out[mine], TOL):
+            failures.append("training output equals the output without dropout")
+        if not compare("train out", runs[0][0], runs[1][0], TOL):
+            failures.append("another seed, the same output")
+        failures += compare("same seed out", runs[2][0], runs[0][0], 0) + compare("same seed dx", runs[2][1],
+                                                                                    runs[0][1], 0)
+        result[f"{comm_type} training drops, seeded by the RNG tracker"] = failures
     return result

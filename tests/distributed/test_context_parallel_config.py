@@ -7,7 +7,10 @@ CP 2 block on its ranks' sequence chunks equals the CP 1 block on the whole
 sequence, for every cp_comm_type megatron names, a list per layer, and process groups handed to the block
 (megatron's TestMixedProcessGroups way); at levels 0 and 1 megatron's assertion stands and says how to get
 CP served; a cp_comm_type with no implementation, or the hybrid algorithm without hierarchical groups, is a
-clear error. That the comparison can fail is shown by ``tests/distributed/cp_checks.py``'s tolerance and the
+clear error. Attention dropout: every algorithm with dropout equals a dense reference with the same
+global-position masks (outputs and gradients), eval mode drops nothing, training draws a fresh mask per
+forward from megatron's RNG tracker (``cp_config_checks.dropout_checks``). That the comparison can fail
+is shown by ``tests/distributed/cp_checks.py``'s tolerance and the
 per-layer check of which algorithm ran; without the level-0 wrap every layout fails with megatron's assertion.
 """
 
@@ -16,7 +19,7 @@ import pytest
 from hyper_adaptor import features
 from hyper_adaptor.patches.context import library
 from hyper_adaptor.testing import run_world
-from tests.distributed.cp_config_checks import LAYOUTS
+from tests.distributed.cp_config_checks import DROPOUT_ALGOS, LAYOUTS
 
 pytestmark = pytest.mark.distributed
 SERVED = [name for name in LAYOUTS if name != "a2a+p2p-no-groups"]
@@ -60,3 +63,16 @@ def test_hybrid_without_hierarchical_groups_is_a_clear_error(ranks):
     message = ranks[0]["errors"]["a2a+p2p-no-groups"]
     assert message.startswith("ContextParallelUnsupported: the hybrid context-parallel algorithm"), message
     assert "hierarchical_context_parallel_sizes" in message
+
+
+DROPOUT_CHECKS = [f"{name} causal={causal} load_balanced={lb}" for name in DROPOUT_ALGOS for causal in (True, False)
+                  for lb in (True, False)] + [
+    "another seed differs", "fresh seed per call", "style train", "style eval", "style dropout_p=1 refused",
+    "p2p eval = CP 1 without dropout", "p2p training drops, seeded by the RNG tracker",
+    "a2a eval = CP 1 without dropout", "a2a training drops, seeded by the RNG tracker"]
+
+
+@pytest.mark.parametrize("check", DROPOUT_CHECKS)
+def test_attention_dropout_under_cp(ranks, check):
+    for rank, result in enumerate(ranks):
+        assert result["dropout"][check] == [], (rank, result["dropout"][check])

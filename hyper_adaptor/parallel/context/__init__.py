@@ -21,6 +21,7 @@ import torch
 
 from hyper_adaptor.ops.attention import attention
 from hyper_adaptor.parallel.context._allgather import allgather_attention
+from hyper_adaptor.parallel.context._dropout import Dropout, check_p, draw_seed, dropped_attention
 from hyper_adaptor.parallel.context._groups import ALGORITHMS, CPGroups, build_cp_groups
 from hyper_adaptor.parallel.context._hybrid import hybrid_attention
 from hyper_adaptor.parallel.context._ring import RingStats, check_qkv, ring_attention
@@ -30,15 +31,26 @@ from hyper_adaptor.parallel.context.style import ContextParallel
 
 def context_parallel_attention(q, k, v, *, groups: CPGroups, algo: str, causal: bool = True,
                                load_balanced: bool = True, scale=None, backend=None,
-                               stats: RingStats | None = None) -> torch.Tensor:
+                               stats: RingStats | None = None, dropout_p: float = 0.0,
+                               dropout_seed=None) -> torch.Tensor:
     """Attention of this rank's sequence shard over the whole CP group's sequence -> [s_local, b, np, hn].
 
     ``stats`` (a ``RingStats``) is filled by the ring-based algorithms (ring, hybrid) only. ``hybrid`` on
-    groups built without hybrid subgroups (ulysses_degree N or 1) is plain Ulysses or ring."""
+    groups built without hybrid subgroups (ulysses_degree N or 1) is plain Ulysses or ring. ``dropout_p``:
+    attention dropout, its mask a function of ``dropout_seed`` (an int or int64 tensor; None: drawn from
+    the default generator of q's device) and the global positions (``_dropout.py``), so every algorithm
+    drops the same entries."""
     if algo not in ALGORITHMS:
         raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
     check_qkv("context parallel", q, k, v, load_balanced)
     options = dict(causal=causal, load_balanced=load_balanced, scale=scale, backend=backend)
+    if check_p(dropout_p) > 0.0:
+        seed = draw_seed(q.device) if dropout_seed is None else torch.as_tensor(dropout_seed, dtype=torch.int64)
+        options["dropout"] = Dropout(dropout_p, seed)
+    if groups.cp.size() == 1 and "dropout" in options:
+        everywhere = torch.arange(q.shape[0], device=q.device)
+        return dropped_attention(q, k, v, everywhere, everywhere, causal=causal, scale=scale, backend=backend,
+                                 dropout=options["dropout"])
     if groups.cp.size() == 1:  # either layout of one rank is the natural order
         return attention(q, k, v, causal=causal, scale=scale, backend=backend).unflatten(2, q.shape[2:])
     if algo == "hybrid" and groups.ulysses is None:
@@ -52,5 +64,5 @@ def context_parallel_attention(q, k, v, *, groups: CPGroups, algo: str, causal: 
     return hybrid_attention(q, k, v, groups=groups, stats=stats, **options)
 
 
-__all__ = ["ALGORITHMS", "CPGroups", "ContextParallel", "RingStats", "build_cp_groups",
-           "context_parallel_attention", "ring_attention"]
+__all__ = ["ALGORITHMS", "CPGroups", "ContextParallel", "Dropout", "RingStats", "build_cp_groups",
+           "context_parallel_attention", "draw_seed", "ring_attention"]

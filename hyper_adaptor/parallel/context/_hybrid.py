@@ -20,12 +20,14 @@ from hyper_adaptor.parallel.context._ulysses import check_heads, heads_to_seq, r
 
 
 def hybrid_attention(q, k, v, *, groups, causal: bool, load_balanced: bool, scale=None, backend=None,
-                     stats=None):
+                     stats=None, dropout=None):
     """q [s_local, b, np, hn], k/v [s_local, b, ng, hn] sharded over ``groups.cp`` -> [s_local, b, np, hn]."""
     ulysses = groups.ulysses
     check_heads(q, ulysses.size())
     k, v = repeat_kv_heads(k, v, ulysses.size())
     q, k, v = (seq_to_heads(t, ulysses, load_balanced) for t in (q, k, v))
+    if dropout is not None:  # the ring's positions are global ones (above); the heads are slice ulysses.rank()
+        dropout = dropout.heads_from(ulysses.rank() * q.shape[2])
     out = ring_attention(q, k, v, group=groups.ring, causal=causal, load_balanced=load_balanced,
-                         scale=scale, backend=backend, stats=stats)
+                         scale=scale, backend=backend, stats=stats, dropout=dropout)
     return heads_to_seq(out, ulysses, load_balanced)

@@ -25,6 +25,9 @@ here, while the fp32 dK/dV accumulators of a block travel around the ring with t
 one last hop, arrive at the block's owner complete. K/V are sent before the compute (they need no
 gradient); dK/dV after it, to the same neighbour in the same step.
 
+Attention dropout (``dropout``, see ``_dropout.py``): each block's keep-mask is recomputed from the
+block's global query and key positions in the forward and again in the backward, never stored.
+
 Why not torch's ``_templated_ring_attention``: it is private, dispatches through DTensor
 and SDPA in [b, h, s, d] with its own load balancer and rotation, and has no NPU kernel; adapting
 megatron's layout, torch_npu's fused attention and the counters below to it would be longer than this.
@@ -38,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_adaptor.ops.attention_lse import attention_lse_backward, attention_with_lse, merge_attention
+from hyper_adaptor.parallel.context._dropout import Dropout, block_dropout, positions
 
 __all__ = ["RingStats", "ring_attention"]
 
@@ -107,10 +111,26 @@ def _wait(requests):
         request.wait()
 
 
+class _Positions:
+    """The global positions of this rank's queries and of every block, for the dropout masks."""
+
+    def __init__(self, ring: _Ring, q, load_balanced: bool, dropout: Dropout | None):
+        self.ring, self.q, self.load_balanced, self.spec = ring, q, load_balanced, dropout
+
+    def of(self, position: int) -> torch.Tensor:
+        return positions(position, self.ring.size, self.q.shape[0], self.load_balanced, self.q.device)
+
+    def dropout(self, j: int, q_rows, kv_rows) -> dict:
+        if self.spec is None:
+            return {}
+        return block_dropout(self.spec, self.q[q_rows], self.of(self.ring.rank)[q_rows], self.of(j)[kv_rows])
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, load_balanced, scale, backend, stats):
+    def forward(ctx, q, k, v, group, causal, load_balanced, scale, backend, stats, dropout):
         ring = _Ring(group, stats)
+        place = _Positions(ring, q, load_balanced, dropout)
         k, v = k.contiguous(), v.contiguous()  # sent as they are
         block = [k, v]
         out = lse = None
@@ -128,7 +148,8 @@ class _RingAttention(torch.autograd.Function):
                 stats.blocks_full += int(not diagonal)
                 stats.blocks_skipped += int(causal and load_balanced and j != ring.rank)  # the masked half
                 part, part_lse = attention_with_lse(q[q_rows], block[0][kv_rows], block[1][kv_rows],
-                                                    causal=diagonal, scale=scale, backend=backend)
+                                                    causal=diagonal, scale=scale, backend=backend,
+                                                    **place.dropout(j, q_rows, kv_rows))
                 if out is None:  # step 0, the own block, covers every query row in every layout
                     acc = torch.promote_types(q.dtype, torch.float32)
                     out, lse = part.to(acc), part_lse.to(acc)
@@ -140,14 +161,15 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         # the rows' final out and lse are all the backward needs (no per-block partials kept)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.load_balanced, ctx.scale, ctx.backend, ctx.stats = (
-            group, causal, load_balanced, scale, backend, stats)
+        ctx.group, ctx.causal, ctx.load_balanced, ctx.scale, ctx.backend, ctx.stats, ctx.dropout = (
+            group, causal, load_balanced, scale, backend, stats, dropout)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.group, ctx.stats)
+        place = _Positions(ring, q, ctx.load_balanced, ctx.dropout)
         acc = torch.promote_types(q.dtype, torch.float32)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         block = [k, v]
@@ -161,7 +183,8 @@ class _RingAttention(torch.autograd.Function):
                 q_rows, kv_rows, diagonal = rows
                 dq_part, dk_part, dv_part = attention_lse_backward(
                     dout[q_rows], q[q_rows], block[0][kv_rows], block[1][kv_rows], out[q_rows],
-                    lse[:, :, q_rows], causal=diagonal, scale=ctx.scale, backend=ctx.backend)
+                    lse[:, :, q_rows], causal=diagonal, scale=ctx.scale, backend=ctx.backend,
+                    **place.dropout(j, q_rows, kv_rows))
                 dq[q_rows] += dq_part
                 block_grads[0][kv_rows] += dk_part
                 block_grads[1][kv_rows] += dv_part
@@ -173,17 +196,18 @@ class _RingAttention(torch.autograd.Function):
             if more:
                 block = incoming
         return (dq.to(q.dtype), block_grads[0].to(k.dtype), block_grads[1].to(v.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, causal: bool,
                    load_balanced: bool, scale: float | None = None, backend: str | None = None,
-                   stats: RingStats | None = None) -> torch.Tensor:
+                   stats: RingStats | None = None, dropout: Dropout | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence of ``group`` -> [s_local, b, np, hn].
 
     q [s_local, b, np, hn], k/v [s_local, b, ng, hn] (np a multiple of ng), sharded as the module doc
-    says; ``backend`` picks the block kernels (``hyper_adaptor.ops.attention_lse``); ``stats`` is added to."""
+    says; ``backend`` picks the block kernels (``hyper_adaptor.ops.attention_lse``); ``stats`` is added to;
+    ``dropout`` (``_dropout.Dropout``): attention dropout by global position."""
     check_qkv("ring_attention", q, k, v, load_balanced)
     group = dist.group.WORLD if group is None else group
     stats = RingStats() if stats is None else stats
-    return _RingAttention.apply(q, k, v, group, causal, load_balanced, scale, backend, stats)
+    return _RingAttention.apply(q, k, v, group, causal, load_balanced, scale, backend, stats, dropout)

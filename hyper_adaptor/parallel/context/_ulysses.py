@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_adaptor.ops.attention import attention
+from hyper_adaptor.parallel.context._dropout import dropped_attention
 
 
 # ----------------------------------------------------------------------------------- sequence order
@@ -103,12 +104,18 @@ def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, degree: int):
 
 
 # ----------------------------------------------------------------------------------------- the engine
-def ulysses_attention(q, k, v, *, group, causal: bool, load_balanced: bool, scale=None, backend=None):
+def ulysses_attention(q, k, v, *, group, causal: bool, load_balanced: bool, scale=None, backend=None,
+                      dropout=None):
     """q [s_local, b, np, hn], k/v [s_local, b, ng, hn] sequence-sharded over ``group`` -> [s_local, b, np, hn]."""
     n = group.size()
     check_heads(q, n)
     k, v = repeat_kv_heads(k, v, n)
     # three exchanges rather than one fused q|k|v buffer: the same bytes, two more latencies, no packing code
     q, k, v = (seq_to_heads(t, group, load_balanced) for t in (q, k, v))
+    if dropout is not None:  # this rank holds query heads slice group.rank() of the whole sequence
+        everywhere = torch.arange(q.shape[0], device=q.device)
+        out = dropped_attention(q, k, v, everywhere, everywhere, causal=causal, scale=scale, backend=backend,
+                                dropout=dropout.heads_from(group.rank() * q.shape[2]))
+        return heads_to_seq(out, group, load_balanced)
     out = attention(q, k, v, causal=causal, scale=scale, backend=backend)  # [S, b, np/N * hn]
     return heads_to_seq(out.unflatten(2, q.shape[2:]), group, load_balanced)

@@ -10,8 +10,9 @@ is applied, q/k/v and the result are this rank's sequence shard and the result h
 not merged). The style replaces the module's attention computation by the CP engine: a block-wise ring
 or an all-to-all cannot be expressed through an arbitrary module's forward, so the module's own
 forward is not called; its semantics are given to the style instead (``causal``, ``scale``: plain softmax
-attention, causal or unmasked, no dropout). Extra forward arguments must be None (a mask is refused
-rather than silently ignored).
+attention, causal or unmasked; ``dropout_p``: attention dropout while the module is training, by default
+the ``p`` of the module's ``attention_dropout`` (megatron's name) if it has one, else none). Extra
+forward arguments must be None (a mask is refused rather than silently ignored).
 
 Algorithms (``mesh`` of N ranks):
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_adaptor.ops.backend import BACKENDS
+from hyper_adaptor.parallel.context._dropout import check_p
 from hyper_adaptor.parallel.context._groups import ALGORITHMS, CPGroups, build_cp_groups, check_ulysses_degree
 
 
@@ -56,7 +58,7 @@ class ContextParallel(ParallelStyle):
 
     def __init__(self, seq_dim: int = 1, head_dim: int = 2, ulysses_degree: int | None = None,
                  load_balance: bool = False, *, algo: str | None = None, causal: bool = True,
-                 scale: float | None = None, backend: str | None = None):
+                 scale: float | None = None, backend: str | None = None, dropout_p: float | None = None):
         self.seq_dim = _check_dim("seq_dim", seq_dim)
         self.head_dim = _check_dim("head_dim", head_dim)
         if self.head_dim == self.seq_dim:
@@ -75,11 +77,13 @@ class ContextParallel(ParallelStyle):
                              "between 1 and the mesh size, exclusive), got None")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
             raise ValueError(f"scale must be None or a positive number, got {scale!r}")
+        if dropout_p is not None:
+            check_p(dropout_p)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         self.batch_dim = ({0, 1, 2} - {self.seq_dim, self.head_dim}).pop()
         self.ulysses_degree, self.load_balance, self.algo = ulysses_degree, load_balance, algo
-        self.causal, self.scale, self.backend = causal, scale, backend
+        self.causal, self.scale, self.backend, self.dropout_p = causal, scale, backend, dropout_p
 
     # ---------------------------------------------------------------------------------- apply
     def _resolve_algo(self, cp_size: int) -> tuple[str, int]:
@@ -119,11 +123,18 @@ class ContextParallel(ParallelStyle):
         else:
             groups = CPGroups(cp=cp_group, ulysses=None, ring=None, ulysses_degree=degree)
         module._context_parallel_style = self
-        module.forward = functools.partial(self._forward, groups=groups, algo=algo)
+        module.forward = functools.partial(self._forward, groups=groups, algo=algo, module=module)
         return module
 
     # -------------------------------------------------------------------------------- forward
-    def _forward(self, q, k, v, *args, groups: CPGroups, algo: str, **kwargs):
+    def _dropout(self, module) -> float:
+        if not module.training:
+            return 0.0
+        if self.dropout_p is not None:
+            return self.dropout_p
+        return float(getattr(getattr(module, "attention_dropout", None), "p", 0.0))
+
+    def _forward(self, q, k, v, *args, groups: CPGroups, algo: str, module, **kwargs):
         extra = [f"positional argument {i + 4}" for i, a in enumerate(args) if a is not None]
         extra += [name for name, a in kwargs.items() if a is not None]
         if extra:
@@ -137,6 +148,7 @@ class ContextParallel(ParallelStyle):
         order = (self.seq_dim, self.batch_dim, self.head_dim, 3)  # -> megatron's [s, b, heads, d]
         out = context_parallel_attention(
             *(t.permute(order) for t in (q, k, v)), groups=groups, algo=algo, causal=self.causal,
-            load_balanced=self.load_balance, scale=self.scale, backend=self.backend)
+            load_balanced=self.load_balance, scale=self.scale, backend=self.backend,
+            dropout_p=self._dropout(module))
         back = sorted(range(4), key=order.__getitem__)  # the inverse permutation
         return out.permute(back).contiguous()

@@ -7,8 +7,9 @@ Two wraps on the one class megatron's local spec (GPT, MoE) builds for core atte
   that constructor reads the CP size — and the module then holds the real config again, and notes which
   algorithm megatron handed this layer (``cp_comm_type``, per layer in megatron).
 - ``forward``: with CP > 1 the layer's q/k/v (this rank's load-balanced sequence chunks, as megatron's
-  ``get_batch_on_this_cp_rank`` cut the batch) go to ``context_parallel_attention``; with CP == 1 the
-  call is megatron's (or level 1's flash attention, which this wrap sits above).
+  ``get_batch_on_this_cp_rank`` cut the batch) go to ``context_parallel_attention``, with the layer's
+  attention dropout when training (its base seed drawn where megatron draws that dropout's randomness);
+  with CP == 1 the call is megatron's (or level 1's flash attention, which this wrap sits above).
 
 The groups are megatron's: its CP group, and for the hybrid algorithm its hierarchical CP groups (built
 from ``--hierarchical-context-parallel-sizes U CP/U``: the first level is U consecutive CP ranks — the
@@ -109,24 +110,33 @@ def _wrap_forward(original):
         if self.config.context_parallel_size == 1:
             return original(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                             attention_bias=attention_bias, packed_seq_params=packed_seq_params)
-        from hyper_adaptor.parallel.context import context_parallel_attention
+        from hyper_adaptor.parallel.context import context_parallel_attention, draw_seed
 
         from megatron.core.transformer.enums import AttnMaskType
 
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         reason = unsupported_call(self, mask_type, attention_bias, packed_seq_params,
                                   (AttnMaskType.causal, AttnMaskType.no_mask))
-        if reason is None and self.training and self.attention_dropout.p > 0.0:
-            # no dropout inside the block-wise softmax; megatron's default is 0.1, so say where to set it
-            reason = (f"attention dropout {self.attention_dropout.p} (set TransformerConfig.attention_dropout, "
-                      f"--attention-dropout, to 0)")
         if reason is not None:
             raise ContextParallelUnsupported(
                 f"--context-parallel-size {self.config.context_parallel_size} ({self.hyper_cp_algo}): "
                 f"{reason} is not served by hyper_adaptor's context-parallel attention")
+        p = self.attention_dropout.p if self.training else 0.0
+        seed = None
+        if p > 0.0:
+            # the engine's masks follow one base seed per call; megatron draws attention dropout from the
+            # model-parallel RNG stream unless sequence parallel, so the seed comes from the same stream
+            from megatron.core import tensor_parallel
+
+            if self.config.sequence_parallel:
+                seed = draw_seed(query.device)
+            else:
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    seed = draw_seed(query.device)
         out = context_parallel_attention(
             query, key, value, groups=_groups(self), algo=self.hyper_cp_algo,
             causal=mask_type == AttnMaskType.causal, load_balanced=True, scale=effective_scale(self),
+            dropout_p=p, dropout_seed=seed,
         )
         return out.reshape(out.shape[0], out.shape[1], -1)
 

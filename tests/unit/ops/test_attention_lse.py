@@ -138,3 +138,97 @@ def test_npu_request_falls_back_with_one_notice(capsys):
         lse_op.attention_with_lse(q, k, v, causal=True, backend="npu")
     assert lse_op.attention_lse_op.calls["fast"] == before + 2
     assert capsys.readouterr().out.count("attention_with_lse: the npu backend cannot serve") == 1
+
+
+# ------------------------------------------------------------------------------------- attention dropout
+def _dropped_reference(q, k, v, dout, keep, p, hidden, scale):
+    """(out, dq, dk, dv) in float64: autograd of softmax(scores) * keep / (1 - p) @ v, kv heads repeated;
+    ``hidden`` ([sq, sk] bool or None) are the scores masked before the softmax."""
+    xs = [x.double().requires_grad_() for x in (q, k, v)]
+    groups = q.shape[2] // k.shape[2]
+    qh, kh, vh = (x.permute(1, 2, 0, 3) for x in xs)
+    kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
+    scores = qh @ kh.transpose(-1, -2) * scale
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, float("-inf"))
+    out = ((torch.softmax(scores, -1) * keep / (1 - p)) @ vh).permute(2, 0, 1, 3)
+    out.backward(dout.double())
+    return [out.detach()] + [x.grad for x in xs]
+
+
+def _keep(seed, sq, sk, b, np_, q_start=0, k_start=0, p=0.3):
+    from hyper_adaptor.parallel.context import Dropout
+
+    spec = Dropout(p, torch.tensor(seed))
+    return spec.keep(torch.arange(q_start, q_start + sq), torch.arange(k_start, k_start + sk), b, np_)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_block_matches_dense_reference_with_the_same_mask(backend, case):
+    *shape, causal = case
+    sq, sk, b, np_, _, _ = shape
+    q, k, v, dout = _inputs(*shape, torch.float32)
+    p, scale = 0.3, 0.3
+    keep = _keep(7, sq, sk, b, np_, p=p)
+    before = lse_op.attention_lse_op.calls["eager"]
+    out, lse = lse_op.attention_with_lse(q, k, v, causal=causal, scale=scale, backend=backend, keep=keep,
+                                         dropout_p=p)
+    grads = lse_op.attention_lse_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend,
+                                          keep=keep, dropout_p=p)
+    # the fused kernels cannot take a given mask: a dropout call is served by eager, whatever was asked
+    assert lse_op.attention_lse_op.calls["eager"] == before + 1
+    want = _dropped_reference(q, k, v, dout, keep, p, attn.causal_mask(sq, sk) if causal else None, scale)
+    _close(out, want[0], TOL[torch.float32], "out")
+    # the lse stays the unmasked one (merging needs it)
+    _close(lse, _reference(q, k, v, dout, causal, scale)[1], LSE_TOL[torch.float32], "lse")
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, want[1:]):
+        _close(got, ref, TOL[torch.float32], name)
+    # and the comparison can fail: without the mask the same call is not the dropped attention
+    plain, _ = lse_op.attention_with_lse(q, k, v, causal=causal, scale=scale, backend=backend)
+    assert (plain - want[0]).abs().max() > 1e-2
+
+
+def test_dropout_blocks_merge_to_dropout_on_the_global_softmax():
+    # two key parts with their own slices of one mask, merged by lse, equal dense dropout over all keys
+    c, b, np_, ng, hn, p = 6, 2, 4, 2, 16, 0.25
+    q, k, v, dout = _inputs(c, 2 * c, b, np_, ng, hn, torch.float32, seed=5)
+    earlier, own = slice(0, c), slice(c, 2 * c)
+    keep = _keep(11, c, 2 * c, b, np_, q_start=c, p=p)  # the queries are global rows c..2c-1
+    drop = [dict(keep=keep[..., part].contiguous(), dropout_p=p) for part in (earlier, own)]
+    out1, lse1 = lse_op.attention_with_lse(q, k[earlier], v[earlier], causal=False, **drop[0])
+    out2, lse2 = lse_op.attention_with_lse(q, k[own], v[own], causal=True, **drop[1])
+    out, lse = lse_op.merge_attention(out1, lse1, out2, lse2)
+    g1 = lse_op.attention_lse_backward(dout, q, k[earlier], v[earlier], out, lse, causal=False, **drop[0])
+    g2 = lse_op.attention_lse_backward(dout, q, k[own], v[own], out, lse, causal=True, **drop[1])
+    hidden = torch.zeros(c, 2 * c, dtype=torch.bool)
+    hidden[:, c:] = attn.causal_mask(c, c)  # bottom-right causal over both parts
+    want = _dropped_reference(q, k, v, dout, keep, p, hidden, 1 / hn**0.5)
+    _close(out, want[0], TOL[torch.float32], "merged out")
+    got = (g1[0] + g2[0], torch.cat([g1[1], g2[1]]), torch.cat([g1[2], g2[2]]))
+    for name, grad, ref in zip(("dq", "dk", "dv"), got, want[1:]):
+        _close(grad, ref, TOL[torch.float32], name)
+
+
+def test_dropout_mask_is_a_function_of_seed_and_global_position():
+    keep = _keep(3, 64, 64, 2, 4)
+    assert abs(1 - keep.float().mean().item() - 0.3) < 0.02  # ~p of the entries dropped
+    assert torch.equal(keep, _keep(3, 64, 64, 2, 4))  # regenerated, not stored: same seed, same mask
+    assert (keep != _keep(4, 64, 64, 2, 4)).float().mean() > 0.3  # another seed, another mask
+    # any cut (rows, keys, heads) is the same cut of the one mask
+    assert torch.equal(_keep(3, 16, 8, 2, 4, q_start=40, k_start=8), keep[..., 40:56, 8:16])
+    from hyper_adaptor.parallel.context import Dropout
+
+    spec = Dropout(0.3, torch.tensor(3), head_offset=2)
+    assert torch.equal(spec.keep(torch.arange(64), torch.arange(64), 2, 2), keep[:, 2:])
+    # heads, rows and keys each get their own mask (no coordinate ignored)
+    assert not torch.equal(keep[:, 0], keep[:, 1]) and not torch.equal(keep[0], keep[1])
+    assert not torch.equal(keep[..., :32, :], keep[..., 32:, :]) and not torch.equal(keep[..., :32], keep[..., 32:])
+
+
+def test_dropout_arguments_are_checked():
+    q, k, v, _ = _inputs(4, 4, 1, 2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="keep mask"):
+        lse_op.attention_with_lse(q, k, v, causal=True, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"keep must be a bool mask \(1, 2, 4, 4\)"):
+        lse_op.attention_with_lse(q, k, v, causal=True, keep=torch.ones(1, 2, 4, 3, dtype=torch.bool), dropout_p=0.1)
