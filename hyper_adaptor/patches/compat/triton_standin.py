@@ -131,7 +131,7 @@ def next_power_of_2(n):
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
-class constexpr:  # noqa: N801 - triton's spelling, used as an annotation and as a value
+class constexpr:  # triton's spelling: an annotation and a value
     def __init__(self, value=None):
         self.value = value.value if isinstance(value, constexpr) else value
 
