@@ -183,6 +183,7 @@ def fill(module: ModuleType) -> None:
     module.__dict__.update(_CONTENTS.get(name, {}))
     module.__dict__[_MARK] = True
     module.__getattr__ = _module_getattr(name)
+    _SERVED.add(name)
     if name == "triton":  # real triton's package imports its language module
         language = ModuleType("triton.language")
         language.__spec__ = importlib.machinery.ModuleSpec("triton.language", LOADER, is_package=True)
@@ -232,11 +233,15 @@ def _importer_expects_failure() -> bool:
     return any(first <= line <= last for first, last in _guarded_ranges(frame.f_code.co_filename))
 
 
+_SERVED: set[str] = set()  # stand-in module names that may still be in sys.modules
+
+
 def _forget() -> None:
     # An unguarded importer has bound its stand-in by now; dropping it from sys.modules keeps the next
     # guarded `import triton` from finding it there, which would make megatron believe triton exists.
-    for name in [n for n in sys.modules if _is_triton(n)]:
-        if is_standin(sys.modules[name]):
+    while _SERVED:
+        name = _SERVED.pop()
+        if is_standin(sys.modules.get(name)):
             del sys.modules[name]
 
 
@@ -246,7 +251,7 @@ def wrap_find_spec(find_spec):
     @functools.wraps(find_spec)
     def find_spec_with_triton_standin(name, path, target=None):
         if not _is_triton(name):
-            if "triton" in sys.modules:
+            if _SERVED:
                 _forget()
             return find_spec(name, path, target)
         spec = find_spec(name, path, target)
