@@ -67,6 +67,12 @@ def _forget_triton():
 def modules(tmp_path, monkeypatch):
     if importlib.util.find_spec("triton") is not None and not triton_standin.is_standin(sys.modules.get("triton")):
         pytest.skip("triton is installed here: the stand-in is never registered")
+    # other tests' imports.install() may have left the stand-in applied in this process: start without it
+    bootstrap = sys.modules["importlib._bootstrap"]
+    lookup = bootstrap._find_spec
+    while getattr(getattr(lookup, "__code__", None), "co_name", "") == "find_spec_with_triton_standin":
+        lookup = lookup.__wrapped__
+    monkeypatch.setattr(bootstrap, "_find_spec", lookup)
     (tmp_path / "standin_kernels.py").write_text(KERNELS)
     (tmp_path / "standin_guarded.py").write_text(GUARDED)
     monkeypatch.syspath_prepend(str(tmp_path))
