@@ -74,8 +74,8 @@ def main_snapshot() -> Path | None:
     return path if (path / "megatron" / "core" / "package_info.py").is_file() else None
 
 
-MAIN_SKIP = (f"no Megatron-LM main snapshot at {MAIN_DEFAULT} (a directory holding megatron/ and COMMIT); "
-             f"set {MAIN_ENV} to one")
+MAIN_SKIP = (f"no Megatron-LM main snapshot (a directory holding megatron/ and COMMIT) at ${MAIN_ENV} "
+             f"({os.environ.get(MAIN_ENV) or 'unset'}) or {MAIN_DEFAULT}")
 
 
 def main_commit() -> str:
