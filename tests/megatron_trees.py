@@ -70,8 +70,10 @@ MAIN_VERSION = "0.20.0"
 
 
 def main_snapshot() -> Path | None:
-    path = Path(os.environ.get(MAIN_ENV) or MAIN_DEFAULT)
-    return path if (path / "megatron" / "core" / "package_info.py").is_file() else None
+    for path in ([Path(os.environ[MAIN_ENV])] if os.environ.get(MAIN_ENV) else []) + [MAIN_DEFAULT]:
+        if (path / "megatron" / "core" / "package_info.py").is_file():
+            return path
+    return None
 
 
 MAIN_SKIP = (f"no Megatron-LM main snapshot (a directory holding megatron/ and COMMIT) at ${MAIN_ENV} "
