@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from hyper_adaptor.patch_manager import Patch, PatchManager
+from hyper_adaptor.patch_manager import PatchManager
 from hyper_adaptor.patches.compat import imports, triton_standin
 from hyper_adaptor.patches.compat.triton_standin import TARGET, TritonUnavailableError
 
@@ -57,6 +57,18 @@ except (ImportError, AttributeError):
     HAVE_LIBDEVICE = False
 '''
 
+# an unconditional import, then at once a guarded one: the second finds the stand-in in sys.modules
+BOTH = '''
+import triton
+
+try:
+    import triton as again  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+'''
+
 
 def _forget_triton():
     for name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
@@ -69,16 +81,18 @@ def modules(tmp_path, monkeypatch):
         pytest.skip("triton is installed here: the stand-in is never registered")
     # other tests' imports.install() may have left the stand-in applied in this process: start without it
     bootstrap = sys.modules["importlib._bootstrap"]
-    lookup = bootstrap._find_spec
-    while getattr(getattr(lookup, "__code__", None), "co_name", "") == "find_spec_with_triton_standin":
-        lookup = lookup.__wrapped__
-    monkeypatch.setattr(bootstrap, "_find_spec", lookup)
+    for attr in ("_find_spec", "_lock_unlock_module"):
+        function = getattr(bootstrap, attr)
+        while getattr(getattr(function, "__code__", None), "co_name", "").endswith("_with_triton_standin"):
+            function = function.__wrapped__
+        monkeypatch.setattr(bootstrap, attr, function)
     (tmp_path / "standin_kernels.py").write_text(KERNELS)
     (tmp_path / "standin_guarded.py").write_text(GUARDED)
+    (tmp_path / "standin_both.py").write_text(BOTH)
     monkeypatch.syspath_prepend(str(tmp_path))
     _forget_triton()
     yield tmp_path
-    for name in ("standin_kernels", "standin_guarded"):
+    for name in ("standin_kernels", "standin_guarded", "standin_both"):
         sys.modules.pop(name, None)
     _forget_triton()
 
@@ -86,7 +100,7 @@ def modules(tmp_path, monkeypatch):
 @pytest.fixture
 def standin():
     manager = PatchManager()
-    manager.register_all([Patch(TARGET, triton_standin.wrap_find_spec, "wrap", "compat", rebind_in=())])
+    manager.register_all(triton_standin.patches("compat"))
     manager.apply()
     yield manager
     manager.undo()
@@ -115,6 +129,8 @@ def test_guarded_imports_still_fail_so_availability_flags_say_no_triton(modules,
     guarded = importlib.import_module("standin_guarded")
     assert guarded.HAVE_TRITON is False and guarded.HAVE_LIBDEVICE is False
     assert importlib.util.find_spec("triton") is None
+    both = importlib.import_module("standin_both")
+    assert both.HAVE_TRITON is False and triton_standin.is_standin(both.triton)
 
 
 def test_undo_takes_the_standin_back(modules, standin):
@@ -137,7 +153,7 @@ def test_nothing_is_registered_where_triton_is_installed(tmp_path, monkeypatch):
         assert TARGET not in [p.target for p in imports.patches()]
         # and a stand-in applied anyway (triton installed after start-up) hands out the real package
         manager = PatchManager()
-        manager.register_all([Patch(TARGET, triton_standin.wrap_find_spec, "wrap", "compat", rebind_in=())])
+        manager.register_all(triton_standin.patches("compat"))
         manager.apply()
         try:
             assert importlib.import_module("triton").REAL is True

@@ -93,7 +93,7 @@ def patches() -> list[Patch]:
         result.append(Patch("typing.override", _identity_override, "provide", FEATURE, rebind_in=()))
     if not _installed("triton"):
         # megatron-core main imports triton unconditionally in modules megatron.training reaches
-        result.append(Patch(triton_standin.TARGET, triton_standin.wrap_find_spec, "wrap", FEATURE, rebind_in=()))
+        result += triton_standin.patches(FEATURE)
     if not _installed("triton") and TRITON_ONLY_MODULE not in sys.modules:
         # without triton, its kernels raise a clear error when called; importing the module works
         result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))

@@ -7,7 +7,7 @@ unconditionally at module level (megatron-core main's Mamba2 SSD ops, reached fr
 fails, whatever model is trained. The stand-in answers only the second kind: an import the importing
 line is prepared to see fail (inside a ``try`` whose handler catches ImportError) still fails, so every
 ``HAVE_TRITON``-style flag megatron computes says "no triton" and megatron keeps its own fallbacks;
-``importlib.util.find_spec("triton")`` is not affected at all (it keeps the original lookup).
+``importlib.util.find_spec("triton")`` keeps the original lookup (None, but while a stand-in is in sys.modules).
 
 What the unconditional importers do at import time works: ``@triton.jit`` / ``@triton.jit(...)``,
 ``@triton.autotune(configs=[triton.Config(...)], key=...)``, ``@triton.heuristics(...)``,
@@ -16,9 +16,10 @@ pick their oldest branch), ``triton.cdiv`` / ``next_power_of_2``, and any other 
 ``tl.*`` name as an object that can be passed around. Calling a kernel (``kernel(...)`` or
 ``kernel[grid](...)``) or any other triton function raises RuntimeError naming it and triton.
 
-Served through one ``wrap`` patch of the import system's spec lookup (``importlib._bootstrap._find_spec``),
-so it is listed by ``describe`` and taken back by ``undo`` like every other patch; it is registered
-only when triton cannot be found.
+Served through two ``wrap`` patches of the import system (its spec lookup ``importlib._bootstrap._find_spec``
+and ``_lock_unlock_module``, which an import of a module already in sys.modules calls while the module's
+spec says it is initialising, as a stand-in's always does), so it is listed by ``describe`` and taken
+back by ``undo`` like every other patch; it is registered only when triton cannot be found.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 from types import ModuleType
 
 TARGET = "importlib._bootstrap._find_spec"
+# called by every import that finds a module in sys.modules whose spec says it is still initialising
+LOCK_TARGET = "importlib._bootstrap._lock_unlock_module"
 VERSION = "0.0.0"
 _MARK = "__hyper_adaptor_triton_standin__"
 _HERE = os.path.normcase(os.path.abspath(__file__))
@@ -163,6 +166,19 @@ def _module_getattr(module_name):
     return __getattr__
 
 
+class _Spec(importlib.machinery.ModuleSpec):
+    """A stand-in's spec reports itself as still initialising, so that an import finding the stand-in in
+    sys.modules asks ``_lock_unlock_module`` first, where a guarded importer is told there is no triton."""
+
+    @property
+    def _initializing(self):
+        return True
+
+    @_initializing.setter
+    def _initializing(self, value):
+        pass
+
+
 class _Loader(importlib.abc.Loader):
     def create_module(self, spec):
         return None
@@ -186,7 +202,7 @@ def fill(module: ModuleType) -> None:
     _SERVED.add(name)
     if name == "triton":  # real triton's package imports its language module
         language = ModuleType("triton.language")
-        language.__spec__ = importlib.machinery.ModuleSpec("triton.language", LOADER, is_package=True)
+        language.__spec__ = _Spec("triton.language", LOADER, is_package=True)
         language.__path__, language.__loader__ = [], LOADER
         fill(language)
         sys.modules["triton.language"] = module.language = language
@@ -260,6 +276,27 @@ def wrap_find_spec(find_spec):
             return spec  # the real triton (installed after start-up)
         if _importer_expects_failure():
             return None
-        return importlib.machinery.ModuleSpec(name, LOADER, is_package=True)
+        return _Spec(name, LOADER, is_package=True)
 
     return find_spec_with_triton_standin
+
+
+def wrap_lock_unlock(lock_unlock):
+    """The ``wrap`` patch's factory for an import that finds a stand-in already in sys.modules."""
+
+    @functools.wraps(lock_unlock)
+    def lock_unlock_with_triton_standin(name):
+        if _is_triton(name) and is_standin(sys.modules.get(name)) and _importer_expects_failure():
+            _forget()
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return lock_unlock(name)
+
+    return lock_unlock_with_triton_standin
+
+
+def patches(feature: str) -> list:
+    """The two wraps that serve the stand-in (for a triton that cannot be found)."""
+    from hyper_adaptor.patch_manager import Patch
+
+    return [Patch(TARGET, wrap_find_spec, "wrap", feature, rebind_in=()),
+            Patch(LOCK_TARGET, wrap_lock_unlock, "wrap", feature, rebind_in=())]
