@@ -156,6 +156,9 @@ def describe(flags: list[str], out=None) -> int:
     if adaptor.device_type == "npu":
         print("    (torch_npu.contrib.transfer_to_npu: torch_npu's own cuda -> npu mapping, applied at import)",
               file=out)
+    from hyper_adaptor.patches import megatron_releases
+
+    print("\n" + "\n".join(megatron_releases.report(adaptor.megatron)), file=out)
     if missing:
         print(f"\n{missing} patch target(s) MISSING in {adaptor.megatron}", file=out)
     return 1 if missing else 0

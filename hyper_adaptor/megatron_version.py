@@ -11,7 +11,10 @@ Two ways people have megatron-core, both found here without importing it:
 When both exist the one Python would import wins: the metadata only counts if its files are the
 ``megatron/core`` that ``import megatron.core`` finds. The supported releases are those every patch
 target is checked against (tests/unit/test_megatron_versions.py resolves every feature's patches in
-each). ``HYPER_ADAPTOR_ALLOW_MEGATRON_VERSION`` (the version found, or ``any``) lets a user try
+each). A PREVIEW release is the next one as Megatron-LM's ``main`` branch has it: checked against one
+named snapshot of ``main`` (``PREVIEW_SNAPSHOT``), accepted without the variable, with a notice that says
+"preview" and names the commit of the checkout in use, since ``main`` moves under one version number.
+``HYPER_ADAPTOR_ALLOW_MEGATRON_VERSION`` (the version found, or ``any``) lets a user try
 another release at their own risk: a loud notice, and a patch target that does not exist there is
 still an error naming the feature, the target and the version.
 
@@ -24,11 +27,15 @@ import ast
 import importlib.metadata
 import importlib.util
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 # Megatron-LM branch core_r0.19.0 reports 0.19.1 in package_info.py; the wheels are 0.19.0 .. 0.19.2.
 SUPPORTED = ("0.19.0", "0.19.1", "0.19.2")
+# version -> where it comes from; the patch targets were checked on Megatron-LM main at PREVIEW_SNAPSHOT
+PREVIEW = {"0.20.0": "Megatron-LM main"}
+PREVIEW_SNAPSHOT = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"
 ALLOW_ENV = "HYPER_ADAPTOR_ALLOW_MEGATRON_VERSION"
 HELP = "see 'Supported Megatron versions' in hyper_adaptor's README.md"
 
@@ -106,13 +113,18 @@ def check(found: MegatronVersion | None = None) -> tuple[MegatronVersion, str | 
 
     Raises UnsupportedMegatronError naming the version, where it was found and the supported range."""
     found = found if found is not None else detect()
-    supported = ", ".join(SUPPORTED)
+    supported = ", ".join(SUPPORTED) + "".join(f" (and {v} from {where} as a preview)" for v, where in PREVIEW.items())
     if found is None:
         raise UnsupportedMegatronError(
             f"hyper_adaptor needs megatron-core ({supported}) and Python cannot import megatron.core: "
             f"pip install megatron-core, or put a Megatron-LM checkout on PYTHONPATH ({HELP})")
     if found.version in SUPPORTED:
         return found, None
+    if found.version in PREVIEW:
+        return found, (
+            f"megatron-core {found.version} is a PREVIEW release ({PREVIEW[found.version]}, checkout commit "
+            f"{checkout_commit(found)}; hyper_adaptor's patch targets were checked at {PREVIEW_SNAPSHOT[:12]}): "
+            f"using {found}. Every patch target is resolved at start-up; {HELP}")
     allowed = os.environ.get(ALLOW_ENV, "")
     if allowed in (found.version, "any"):
         return found, (
@@ -122,3 +134,24 @@ def check(found: MegatronVersion | None = None) -> tuple[MegatronVersion, str | 
     raise UnsupportedMegatronError(
         f"hyper_adaptor supports megatron-core {supported}; found {found}. To try it at your own "
         f"risk set {ALLOW_ENV}={found.version} ({HELP})")
+
+
+def checkout_commit(found: MegatronVersion) -> str:
+    """The commit of the Megatron-LM checkout holding ``found`` (``git rev-parse`` in it, else the first
+    word of a ``COMMIT`` file beside ``megatron/``, as an exported snapshot has it), or ``unknown``."""
+    root = Path(found.location).parent.parent
+    try:
+        result = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=False)
+        # a checkout inside some other repository (a venv under a project) must not answer with that one's HEAD
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True,
+                             text=True, timeout=10, check=False)
+        if result.returncode == 0 and top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve():
+            return result.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        words = (root / "COMMIT").read_text(encoding="utf-8").split()
+    except (OSError, UnicodeDecodeError):
+        words = []
+    return words[0][:12] if words else "unknown"

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -57,4 +58,38 @@ def emerging_optimizers_tree(dest: Path) -> Path:
         assert found, f"no {pin} wheel in {EMERGING}"
         with zipfile.ZipFile(found[-1]) as archive:
             archive.extractall(dest, [m for m in archive.namelist() if ".dist-info/" not in m])
+    return dest
+
+
+# A snapshot of Megatron-LM main (megatron-core 0.20.0, the preview release): `megatron/`, the root
+# scripts and a COMMIT file, kept beside the checkout (<repo>/../shared/megatron-lm-main) or named by
+# HYPER_ADAPTOR_MEGATRON_MAIN. It is shared and may be read-only: tests copy it before building anything.
+MAIN_ENV = "HYPER_ADAPTOR_MEGATRON_MAIN"
+MAIN_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "megatron-lm-main"
+MAIN_VERSION = "0.20.0"
+
+
+def main_snapshot() -> Path | None:
+    for path in ([Path(os.environ[MAIN_ENV])] if os.environ.get(MAIN_ENV) else []) + [MAIN_DEFAULT]:
+        if (path / "megatron" / "core" / "package_info.py").is_file():
+            return path
+    return None
+
+
+MAIN_SKIP = (f"no Megatron-LM main snapshot (a directory holding megatron/ and COMMIT) at ${MAIN_ENV} "
+             f"({os.environ.get(MAIN_ENV) or 'unset'}) or {MAIN_DEFAULT}")
+
+
+def main_commit() -> str:
+    return (main_snapshot() / "COMMIT").read_text().split()[0]
+
+
+def main_tree(dest: Path) -> Path:
+    """A writable copy of the main snapshot at ``dest`` (the caller skips with MAIN_SKIP when absent)."""
+    source = main_snapshot()
+    assert source is not None, MAIN_SKIP
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "helpers_cpp*"),
+                    copy_function=shutil.copyfile)
+    for folder, _, _ in os.walk(dest):
+        os.chmod(folder, 0o755)
     return dest

@@ -2,7 +2,8 @@
 
 Each release is unpacked as a Megatron-LM checkout has it (a directory on PYTHONPATH, no pip metadata;
 tests/megatron_trees.py) and imported by a fresh interpreter, where ``python -m hyper_adaptor describe``
-with every feature's flags resolves every patch target against it.
+with every feature's flags resolves every patch target against it: 0.19.0 .. 0.19.2 and the preview,
+a named snapshot of Megatron-LM main (skipped, with the reason, where the snapshot is absent).
 """
 
 import os
@@ -13,8 +14,24 @@ from pathlib import Path
 import pytest
 
 from hyper_adaptor import megatron_version
-from hyper_adaptor.megatron_version import ALLOW_ENV, SUPPORTED, MegatronVersion, UnsupportedMegatronError
-from tests.megatron_trees import copy_tree, source_tree
+from hyper_adaptor.megatron_version import (
+    ALLOW_ENV,
+    PREVIEW,
+    PREVIEW_SNAPSHOT,
+    SUPPORTED,
+    MegatronVersion,
+    UnsupportedMegatronError,
+)
+from hyper_adaptor.patches import megatron_releases
+from tests.megatron_trees import (
+    MAIN_SKIP,
+    MAIN_VERSION,
+    copy_tree,
+    main_commit,
+    main_snapshot,
+    main_tree,
+    source_tree,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,15 +86,28 @@ sys.exit(first or second or third)
 """
 
 
-@pytest.mark.parametrize("version", SUPPORTED)
+@pytest.mark.parametrize("version", [*SUPPORTED, "main"])
 def test_every_patch_resolves_in_each_supported_release_as_a_checkout(version, tmp_path):
-    """Megatron-LM's core_r0.19.0 branch reports 0.19.1; the wheels are 0.19.0 .. 0.19.2."""
+    """Megatron-LM's core_r0.19.0 branch reports 0.19.1; the wheels are 0.19.0 .. 0.19.2; "main" is the
+    Megatron-LM main snapshot (0.20.0, the preview): accepted without ALLOW_ENV, imported without triton."""
     from hyper_adaptor.features import FEATURES
 
-    tree = source_tree(version, tmp_path)
+    if version == "main":
+        if main_snapshot() is None:
+            pytest.skip(MAIN_SKIP)
+        tree, version = main_tree(tmp_path / "Megatron-LM"), MAIN_VERSION
+    else:
+        tree = source_tree(version, tmp_path)
     result = run(DESCRIBE_BOTH, tree)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"megatron-core {version} (source tree at {tree / 'megatron' / 'core'})" in result.stdout
+    # describe's "Megatron releases" section, from the record the patches use
+    section = result.stdout.split("Megatron releases: seams that differ in")[1].split("\n\n")[0]
+    if version in PREVIEW:
+        assert "PREVIEW release" in result.stdout and main_commit()[:12] in result.stdout
+        assert all(f"    {seam.target} [" in section for seam in megatron_releases.SEAMS)
+    else:
+        assert f"none ({len(megatron_releases.SEAMS)} seams checked)" in section
     assert "MISSING" not in result.stdout
     patching = [f.name for f in FEATURES if f.name != "fused_backend"]  # the one feature without patches
     for feature in patching:
@@ -106,17 +136,17 @@ def _pretend(tree: Path, version: str) -> None:
 
 def test_an_unlisted_release_is_refused_then_allowed_at_the_users_risk(tree_0192, tmp_path):
     tree = copy_tree(tree_0192, tmp_path / "t")
-    _pretend(tree, "0.20.0")
+    _pretend(tree, "0.21.0")
     refused = run("import torch, hyper_adaptor.megatron_adaptor", tree)
     assert refused.returncode != 0
     message = refused.stderr.strip().splitlines()[-1]
-    assert "UnsupportedMegatronError" in message and "found megatron-core 0.20.0 (source tree at" in message
-    assert "supports megatron-core 0.19.0, 0.19.1, 0.19.2" in message
-    assert f"{ALLOW_ENV}=0.20.0" in message and "README" in message and "DEVELOPERS" not in message
+    assert "UnsupportedMegatronError" in message and "found megatron-core 0.21.0 (source tree at" in message
+    assert "supports megatron-core 0.19.0, 0.19.1, 0.19.2 (and 0.20.0 from Megatron-LM main as a preview)" in message
+    assert f"{ALLOW_ENV}=0.21.0" in message and "README" in message and "DEVELOPERS" not in message
 
-    allowed = run("import torch, hyper_adaptor.megatron_adaptor; print('adapted')", tree, env={ALLOW_ENV: "0.20.0"})
+    allowed = run("import torch, hyper_adaptor.megatron_adaptor; print('adapted')", tree, env={ALLOW_ENV: "0.21.0"})
     assert allowed.returncode == 0, allowed.stderr[-3000:]
-    assert "[hyper_adaptor] WARNING: megatron-core 0.20.0" in allowed.stdout and "adapted" in allowed.stdout
+    assert "[hyper_adaptor] WARNING: megatron-core 0.21.0" in allowed.stdout and "adapted" in allowed.stdout
 
     # a target gone from that release is still an error naming feature, target and version
     random_py = tree / "megatron" / "core" / "tensor_parallel" / "random.py"
@@ -126,7 +156,7 @@ def test_an_unlisted_release_is_refused_then_allowed_at_the_users_risk(tree_0192
     last = drifted.stderr.strip().splitlines()[-1]
     assert "PatchTargetError: feature 'compat': patch target " \
            "'megatron.core.tensor_parallel.random._set_cuda_rng_state' does not exist" in last
-    assert "megatron-core 0.20.0 (source tree at" in last
+    assert "megatron-core 0.21.0 (source tree at" in last
 
 
 def test_no_megatron_at_all_is_a_clear_error(monkeypatch):
@@ -142,3 +172,70 @@ def test_package_info_is_read_without_running_it(tmp_path):
     assert megatron_version.read_package_info(info) == "0.19.1rc2"
     with pytest.raises(UnsupportedMegatronError, match="0.19.1rc2"):
         megatron_version.check(MegatronVersion("0.19.1rc2", "source tree", str(tmp_path)))
+
+
+def _checkout(tmp_path: Path, version="0.20.0") -> MegatronVersion:
+    core = tmp_path / "megatron" / "core"
+    core.mkdir(parents=True)
+    return MegatronVersion(version, "source tree", str(core))
+
+
+def test_the_preview_is_accepted_with_a_notice_naming_the_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    found = _checkout(tmp_path)
+    assert megatron_version.check(found)[0] is found
+    notice = megatron_version.check(found)[1]
+    assert "PREVIEW release (Megatron-LM main, checkout commit unknown;" in notice
+    assert PREVIEW_SNAPSHOT[:12] in notice
+    (tmp_path / "COMMIT").write_text("0123456789abcdef0123 Sat Aug 22 15:22:22 2026 +0000\n")
+    assert "checkout commit 0123456789ab;" in megatron_version.check(found)[1]
+    # a git checkout answers with its HEAD
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    if subprocess.run([*git, "init", "-q"], capture_output=True).returncode == 0:
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "x"], check=True, capture_output=True)
+        head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True).stdout.strip()
+        assert f"checkout commit {head};" in megatron_version.check(found)[1]
+    # a release that is neither supported nor the preview is still refused
+    with pytest.raises(UnsupportedMegatronError, match="found megatron-core 0.21.0"):
+        megatron_version.check(_checkout(tmp_path / "other", "0.21.0"))
+
+
+def test_the_seam_record_answers_0192_as_the_reference_and_main_otherwise():
+    installed = Path(megatron_version.detect().location).parent.parent
+    assert megatron_releases.differing(installed) == []
+    if main_snapshot() is None:
+        pytest.skip(MAIN_SKIP)
+    moved = dict((seam.target, answer) for seam, answer in megatron_releases.differing(main_snapshot()))
+    assert sorted(moved) == sorted(seam.target for seam in megatron_releases.SEAMS)
+    assert moved["megatron.training.arguments._add_regularization_args"] == "duplicated"
+
+
+def test_the_moved_seams_take_mains_calls():
+    """The calls megatron-core main makes at the fused seams (0.19.x never makes them)."""
+    import torch
+
+    from hyper_adaptor.patches.fused import rope, swiglu
+
+    x, bias = torch.randn(3, 2, 8) * 4, torch.randn(8)
+    # the MLP's positional clamp_value: megatron main's clamped SwiGLU, in fp32
+    gate, linear = (x + bias).chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate.clamp(max=1.5)) * linear.clamp(-1.5, 1.5)
+    torch.testing.assert_close(swiglu.bias_swiglu_impl(x, bias, False, False, 1.5), expected)
+    torch.testing.assert_close(swiglu.bias_swiglu_impl(x, bias, False, False, None),
+                               torch.nn.functional.silu((x + bias)[..., :4]) * (x + bias)[..., 4:])
+
+    calls = []
+
+    def original(t, freqs, config, **kwargs):
+        calls.append(kwargs)
+        return t
+
+    class Config:
+        rotary_interleaved, multi_latent_attention = False, False
+
+    wrapped = rope._wrap_apply_rotary_pos_emb(original)
+    t, freqs = torch.randn(4, 1, 2, 8), torch.randn(4, 1, 1, 8)
+    out = wrapped(t, freqs, config=Config(), mscale=1.0, cp_group=None, max_seqlen=None)  # attention's bshd call
+    assert calls == [] and out.shape == t.shape
+    wrapped(t, freqs, Config(), inverse=True)
+    assert calls and calls[0]["inverse"] is True

@@ -1,4 +1,4 @@
-"""Import-time shims: megatron-core 0.19.x imports on Python 3.11 without triton.
+"""Import-time shims: megatron-core 0.19.x and main import on Python 3.11 without triton.
 
 These are applied before megatron is imported, as patches of their own kinds: ``provide`` for a name
 the standard library lacks, ``module`` for a megatron module that cannot be imported here. Each is
@@ -13,6 +13,7 @@ import sys
 import typing
 
 from hyper_adaptor.patch_manager import Patch
+from hyper_adaptor.patches.compat import triton_standin
 
 FEATURE = "compat"
 
@@ -90,6 +91,9 @@ def patches() -> list[Patch]:
     result = []
     if not hasattr(typing, "override"):  # megatron.training does `from typing import override`
         result.append(Patch("typing.override", _identity_override, "provide", FEATURE, rebind_in=()))
+    if not _installed("triton"):
+        # megatron-core main imports triton unconditionally in modules megatron.training reaches
+        result += triton_standin.patches(FEATURE)
     if not _installed("triton") and TRITON_ONLY_MODULE not in sys.modules:
         # without triton, its kernels raise a clear error when called; importing the module works
         result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))

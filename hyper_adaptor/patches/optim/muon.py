@@ -8,6 +8,9 @@ constructs it (``_create_emerging_optimizer``): for ``muon`` it builds ``Megatro
 constructor arguments megatron derives from its config for its own class (same names), so every
 ``--muon-*`` flag keeps megatron's meaning. The factory's availability check is told the optimizer
 exists (``HAVE_EMERGING_OPTIMIZERS``); the other emerging optimizers are refused by name at validation.
+The TP mode is megatron's ``--muon-tp-mode``, whose default is ``blockwise`` in 0.19.x and ``duplicated``
+on Megatron-LM main (patches/megatron_releases.py): with TP > 1 and the flag not given, the two releases
+update differently.
 """
 
 from __future__ import annotations

@@ -96,6 +96,8 @@ def _wrap_backward(original):
                         delattr(weight, name)
                 else:
                     setattr(weight, name, value)
+        # megatron-core main's backward casts grad_output to the input's dtype (ctx.input_dtype) first
+        grad_output = grad_output.to(getattr(ctx, "input_dtype", grad_output.dtype))
         queue.append(DeferredWeightGrad(ctx, grad_output, fused))
         grads[1] = None  # the weight's gradient arrives in the BWD_WEIGHT step
         if ctx.use_bias:  # megatron sums the bias gradient over the 2-D view it builds only for the product
