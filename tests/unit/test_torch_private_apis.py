@@ -247,3 +247,15 @@ def test_scan_passes_listed_uses_and_this_packages_own_names():
     sources = {**_sources(), "new.py": ast.parse(snippet)}
     assert not [f for f in unlisted_torch_paths(sources, LISTED) if f.startswith("new.py:")]
     assert not [f for f in unclassified_attributes(sources, LISTED) if f.startswith("new.py:")]
+
+
+def test_setup_py_declares_the_checked_torch_range():
+    """setup.py's torch range is what was checked: its floor the oldest release in CHECKED, its ceiling
+    the first minor release above the newest."""
+    from packaging.version import Version
+
+    text = (PACKAGE.parent / "setup.py").read_text()
+    floor, ceiling = re.search(r'"torch>=([\d.]+),<([\d.]+)"', text).groups()
+    checked = sorted(Version(v) for v in torch_private.CHECKED)
+    assert Version(floor) == Version(f"{checked[0].major}.{checked[0].minor}")
+    assert Version(ceiling) == Version(f"{checked[-1].major}.{checked[-1].minor + 1}")
