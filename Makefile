@@ -66,18 +66,21 @@ clean-venv:
 # Optional, not part of CI: the unit and distributed tests against another torch release, in a venv of
 # its own (.venv-torch-<version>), e.g. `make test-torch TORCH=2.15.0`. Releases above the cap in
 # /etc/xdg/pip/constraints.txt (this machine's pip config) come from PyPI as their default CUDA build
-# (several GB with the nvidia-* wheels; it runs on the CPU), so the cap is lifted for that one install.
+# (several GB with the nvidia-* wheels; it runs on the CPU), so the cap is lifted for that one install,
+# and the triton it brings is removed so that only torch differs from CI's stack.
 # Each phase runs to the end even when the other fails; one summary line per phase closes the run.
 TORCH       ?=
 TORCH_VENV  := .venv-torch-$(TORCH)
 TORCH_PY    := $(TORCH_VENV)/bin/python
 
-$(TORCH_VENV)/.hyper_adaptor-installed: setup.py
+$(TORCH_VENV)/.hyper_adaptor-installed: setup.py Makefile
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>, e.g. TORCH=2.15.0"; exit 2; }
 	$(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_PY) -m pip install --quiet --upgrade pip
 	$(TORCH_PY) -m pip install --quiet numpy
 	PIP_CONSTRAINT=/dev/null $(TORCH_PY) -m pip install --quiet "torch==$(TORCH)"
+	# the CUDA builds bring triton; CI's CPU build does not, and the level-0 tests expect its stand-in
+	$(TORCH_PY) -m pip uninstall --quiet -y triton
 	$(TORCH_PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout pytest-xdist
 	$(TORCH_PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
 	$(TORCH_PY) -m pip install --quiet --no-deps -e .
