@@ -14,11 +14,12 @@ setup(
     "memory features and fused kernels for NPU, CUDA and CPU",
     packages=find_packages(include=["hyper_adaptor", "hyper_adaptor.*"]),
     python_requires=">=3.10",
-    # The torch releases the unit and distributed tests have passed on (`make test-torch TORCH=...`,
-    # README "torch versions"): the floor is the oldest checked, the ceiling excludes the first release
-    # nobody has run them on. The engines use private torch APIs (hyper_adaptor/platform/torch_private.py
-    # lists them) that may move in any release, so widening either end means running that target on the
-    # new release first. The Makefile installs the exact torch (a CPU build); this range is what pip checks.
+    # The torch releases the unit and distributed tests have run on (`make test-torch TORCH=...`, README
+    # "Supported torch versions"): the floor is the oldest release checked, the ceiling the minor release
+    # after the newest checked. The engines use private torch APIs (listed in
+    # hyper_adaptor/platform/torch_private.py) that may move in any release, so widening either end means
+    # running that target on the new release first. The Makefile installs the exact torch (a CPU build);
+    # this range is what pip checks.
     install_requires=["torch>=2.13,<2.16", "numpy", "packaging>=24.2", "einops", "psutil"],
     extras_require={
         "megatron": ["megatron-core==0.19.2"],
