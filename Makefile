@@ -15,7 +15,7 @@ STAMP       := $(VENV)/.hyper_adaptor-installed
 PYTEST_ARGS ?=
 RUFF_SPEC   ?= ruff==0.17.6
 
-.PHONY: setup demo lint test test-fast bench clean-venv
+.PHONY: setup demo lint test test-fast test-torch bench clean-venv
 
 setup: $(STAMP)
 
@@ -62,3 +62,44 @@ bench: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Optional, not part of CI: the unit and distributed tests against another torch release, in a venv of
+# its own (.venv-torch-<version>), e.g. `make test-torch TORCH=2.15.0`. Releases above the cap in
+# /etc/xdg/pip/constraints.txt (this machine's pip config) come from PyPI as their default CUDA build
+# (several GB with the nvidia-* wheels; it runs on the CPU), so the cap is lifted for that one install,
+# and the triton it brings is removed so that only torch differs from CI's stack.
+# Each phase runs to the end even when the other fails; one summary line per phase closes the run.
+TORCH       ?=
+TORCH_VENV  := .venv-torch-$(TORCH)
+TORCH_PY    := $(TORCH_VENV)/bin/python
+
+$(TORCH_VENV)/.hyper_adaptor-installed: setup.py Makefile
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>, e.g. TORCH=2.15.0"; exit 2; }
+	$(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_PY) -m pip install --quiet --upgrade pip
+	$(TORCH_PY) -m pip install --quiet numpy
+	PIP_CONSTRAINT=/dev/null $(TORCH_PY) -m pip install --quiet "torch==$(TORCH)"
+	# the CUDA builds bring triton; CI's CPU build does not, and the level-0 tests expect its stand-in
+	$(TORCH_PY) -m pip uninstall --quiet -y triton
+	$(TORCH_PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout pytest-xdist
+	$(TORCH_PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
+	$(TORCH_PY) -m pip install --quiet --no-deps -e .
+	for v in $(MCORE_RELEASES); do $(TORCH_PY) -m pip download --quiet --no-deps --ignore-requires-python \
+		"megatron-core==$$v" -d $(TORCH_VENV)/megatron-releases; done
+	$(TORCH_PY) -m pip download --quiet --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py==2.5.1 \
+		-d $(TORCH_VENV)/emerging-optimizers
+	$(TORCH_PY) -c "import torch, hyper_adaptor.megatron_adaptor, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
+	touch $@
+
+test-torch: $(TORCH_VENV)/.hyper_adaptor-installed
+	@rc=0; for phase in unit distributed; do \
+		if [ $$phase = unit ]; then workers="-n 2"; else workers=""; fi; \
+		echo "== torch $(TORCH): tests/$$phase (log: $(TORCH_VENV)/test-$$phase.log)"; \
+		$(TORCH_PY) -m pytest -q -rfE $$workers $(PYTEST_ARGS) tests/$$phase > $(TORCH_VENV)/test-$$phase.log 2>&1 \
+			|| rc=1; \
+		grep -E '^(FAILED|ERROR) ' $(TORCH_VENV)/test-$$phase.log || true; \
+	done; \
+	for phase in unit distributed; do \
+		echo "torch $$($(TORCH_PY) -c 'import torch; print(torch.__version__)') | tests/$$phase: $$(tail -n 1 $(TORCH_VENV)/test-$$phase.log | tr -d =)"; \
+	done; \
+	exit $$rc

@@ -118,7 +118,7 @@ def _eager_lse_backward(dout, q, k, v, out, lse, *, causal, scale=None, keep=Non
 
 
 # ------------------------------------------------------------------------------------------ fast
-# PyTorch's private SDPA kernels: private API, pinned to torch 2.13. These two functions are the only
+# PyTorch's private SDPA kernels (hyper_adaptor/platform/torch_private.py). These two functions are the only
 # place that names them; tests/unit/ops/test_attention_lse.py checks what is relied on (the CPU kernel's
 # GQA head mapping and lse layout, its backward from an externally merged out/lse).
 _CUDA_LSE_ALIGN = 32  # the CUDA efficient kernel pads lse along the queries to a multiple of this

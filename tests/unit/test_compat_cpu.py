@@ -188,7 +188,8 @@ def test_rope_slice_per_context_parallel_rank_runs_on_the_host():
     cp_group = types.SimpleNamespace(size=lambda: 2, rank=lambda: 1)
     positions = torch.arange(8.0).view(8, 1, 1, 1)
     assert get_pos_emb_on_this_cp_rank(positions, 0, cp_group).flatten().tolist() == [2.0, 3.0, 4.0, 5.0]
-    with pytest.raises(RuntimeError, match="pin_memory"):  # what megatron's index tensor hits unpatched
+    # what megatron's index tensor hits unpatched (a CUDA build of torch on a host without a GPU: no driver)
+    with pytest.raises(RuntimeError, match="pin_memory|NVIDIA driver"):
         original("torch.tensor")([1, 2], device="cpu", pin_memory=True)
 
 

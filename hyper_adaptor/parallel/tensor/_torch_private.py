@@ -1,8 +1,7 @@
-"""The one place this package touches private torch.distributed.tensor APIs.
-
-Pinned to torch 2.13: ``torch.distributed.tensor._random`` (the DTensor RNG tracker) is not a public
-API and has changed shape between releases, so every use goes through the two functions below and a
-torch upgrade has one file to re-check.
+"""torch's DTensor RNG tracker, ``torch.distributed.tensor._random``: not a public API, and it has changed
+shape between releases, so every use goes through the two functions below. It is listed with the
+package's other private torch APIs, and the releases they were checked on, in
+hyper_adaptor/platform/torch_private.py.
 """
 
 from __future__ import annotations

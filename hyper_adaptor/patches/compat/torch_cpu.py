@@ -222,10 +222,10 @@ def torch_patches() -> list[Patch]:
     # same functions are also bound in submodules (torch.cuda.random.get_rng_state, ...).
     no_rebind = ()
     # torch's default-device context (``with torch.device("meta")``) tells factories apart by identity, in
-    # a set it builds once on first use (torch.utils._device._device_constructors, private: checked on torch
-    # 2.13). Built while the wraps below are in place it would hold the wrappers, not the functions the
-    # context sees called, and every factory would ignore the context (meta-device models built for real).
-    # Building it now, before any wrap, keeps torch's own functions in it.
+    # a set it builds once on first use (torch.utils._device._device_constructors, private: listed in
+    # platform/torch_private.py). Built while the wraps below are in place it would hold the wrappers, not
+    # the functions the context sees called, and every factory would ignore the context (meta-device models
+    # built for real). Building it now, before any wrap, keeps torch's own functions in it.
     torch_device_context._device_constructors()
     patches = [
         Patch(f"torch.cuda.{name}", _own_copy(impl, name), "replace", FEATURE, rebind_in=("torch.cuda",))
