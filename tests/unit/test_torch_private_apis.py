@@ -39,6 +39,10 @@ NOT_TORCH = {
     "_warmup_jit_function": "megatron.training.initialize (patched seam)",
     "_shard_divisor": "megatron.core.optimizer (Muon seam)",
     "_ExperimentalConfig": "torch_npu.profiler (NPU profiling); torch's own is listed as torch._C._profiler",
+    "_option_string_actions": "argparse.ArgumentParser",
+    "_getframe": "sys (the triton stand-in reads its importer's frame)",
+    "_run_exitfuncs": "atexit (the tests' launcher ends a forked rank as an interpreter ends)",
+    "_exit": "os",
 }
 
 _PRIVATE = re.compile(r"_(?!_)\w*")
