@@ -240,7 +240,7 @@ inherited = torch._C.TensorBase.type
 import hyper_adaptor.megatron_adaptor as a
 import megatron.core.tensor_parallel.random as rng
 kinds = {p.kind for p in a.ADAPTOR.manager.patches}
-assert {"replace", "wrap", "provide", "item", "module"} <= kinds, kinds
+assert {"replace", "wrap", "provide", "item"} <= kinds, kinds
 assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1" and rng.logging is not logging
 assert "type" in vars(torch.Tensor)
 a.ADAPTOR.manager.undo()
@@ -248,7 +248,7 @@ assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ
 assert rng.logging is logging
 assert "type" not in vars(torch.Tensor) and torch.Tensor.type is inherited
 assert not hasattr(typing, "override")
-assert "megatron.core.transformer.moe.ops.paged_stash" not in sys.modules
+assert "triton" not in sys.modules  # the stand-in megatron's paged stash imported is not left behind
 assert not any(type(f).__name__ == "_StandInFinder" for f in sys.meta_path)
 assert (not hasattr(torch.cuda.current_device, "__qualname__")
         or "emulated" not in torch.cuda.current_device.__qualname__)

@@ -17,11 +17,6 @@ from hyper_adaptor.patches.compat import triton_standin
 
 FEATURE = "compat"
 
-# The one module on megatron.core's import path that needs triton: it is reached from
-# pipeline_parallel/schedules.py through moe/paged_stash.py, so `import megatron.core` fails without it.
-TRITON_ONLY_MODULE = "megatron.core.transformer.moe.ops.paged_stash"
-
-
 def _identity_override(method):
     # typing.override (3.12) only marks the method; it changes nothing at run time.
     try:
@@ -29,31 +24,6 @@ def _identity_override(method):
     except (AttributeError, TypeError):
         pass
     return method
-
-
-class _TritonKernelUnavailable:
-    """Stands where a triton kernel would be; using it is a clear error, importing it is not."""
-
-    def __init__(self, name):
-        self.__name__ = name
-
-    def __getitem__(self, grid):
-        return self
-
-    def __call__(self, *args, **kwargs):
-        raise RuntimeError(
-            f"{TRITON_ONLY_MODULE}.{self.__name__} is a triton kernel (MoE paged stash) and triton "
-            "is not installed; install triton or leave --moe-paged-stash off"
-        )
-
-
-def fill_paged_stash(module) -> None:
-    """The stand-in's contents: the names megatron imports from the real module."""
-    # GLOBAL_BLOCK_SIZE is the page-size constant the real module exports (a plain int).
-    module.GLOBAL_BLOCK_SIZE = 1024
-    module.paged_stash_copy_kernel = _TritonKernelUnavailable("paged_stash_copy_kernel")
-    module.paged_stash_pop_kernel = _TritonKernelUnavailable("paged_stash_pop_kernel")
-    module.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
 
 
 # emerging_optimizers (megatron's Muon) imports its triton kernels (a fused X X^T for Newton-Schulz, used
@@ -92,11 +62,9 @@ def patches() -> list[Patch]:
     if not hasattr(typing, "override"):  # megatron.training does `from typing import override`
         result.append(Patch("typing.override", _identity_override, "provide", FEATURE, rebind_in=()))
     if not _installed("triton"):
-        # megatron-core main imports triton unconditionally in modules megatron.training reaches
+        # megatron-core imports triton unconditionally in modules megatron.core and megatron.training reach
+        # (0.19's MoE paged stash, main's SSM ops): the stand-in serves them, their kernels name triton when called
         result += triton_standin.patches(FEATURE)
-    if not _installed("triton") and TRITON_ONLY_MODULE not in sys.modules:
-        # without triton, its kernels raise a clear error when called; importing the module works
-        result.append(Patch(TRITON_ONLY_MODULE, fill_paged_stash, "module", FEATURE))
     if _installed("emerging_optimizers") and not _installed("triton") and EO_TRITON_MODULE not in sys.modules:
         result.append(Patch(EO_TRITON_MODULE, fill_eo_triton_kernels, "module", FEATURE))
     return result
