@@ -15,7 +15,7 @@ STAMP       := $(VENV)/.hyper_adaptor-installed
 PYTEST_ARGS ?=
 RUFF_SPEC   ?= ruff==0.17.6
 
-.PHONY: setup demo lint test test-fast test-torch bench clean-venv
+.PHONY: setup demo lint test test-fast torch-venv test-torch bench clean-venv
 
 setup: $(STAMP)
 
@@ -73,25 +73,14 @@ TORCH       ?=
 TORCH_VENV  := .venv-torch-$(TORCH)
 TORCH_PY    := $(TORCH_VENV)/bin/python
 
-$(TORCH_VENV)/.hyper_adaptor-installed: setup.py Makefile
+# the venv is `setup`'s recipe with another VENV and TORCH_SPEC (the cap lifted for it)
+torch-venv:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version>, e.g. TORCH=2.15.0"; exit 2; }
-	$(PYTHON) -m venv $(TORCH_VENV)
-	$(TORCH_PY) -m pip install --quiet --upgrade pip
-	$(TORCH_PY) -m pip install --quiet numpy
-	PIP_CONSTRAINT=/dev/null $(TORCH_PY) -m pip install --quiet "torch==$(TORCH)"
+	PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory setup VENV=$(TORCH_VENV) TORCH_SPEC="torch==$(TORCH)"
 	# the CUDA builds bring triton; CI's CPU build does not, and the level-0 tests expect its stand-in
-	$(TORCH_PY) -m pip uninstall --quiet -y triton
-	$(TORCH_PY) -m pip install --quiet "packaging>=24.2" einops psutil pybind11 pytest pytest-timeout pytest-xdist
-	$(TORCH_PY) -m pip install --quiet --no-deps --ignore-requires-python "$(MCORE_SPEC)"
-	$(TORCH_PY) -m pip install --quiet --no-deps -e .
-	for v in $(MCORE_RELEASES); do $(TORCH_PY) -m pip download --quiet --no-deps --ignore-requires-python \
-		"megatron-core==$$v" -d $(TORCH_VENV)/megatron-releases; done
-	$(TORCH_PY) -m pip download --quiet --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py==2.5.1 \
-		-d $(TORCH_VENV)/emerging-optimizers
-	$(TORCH_PY) -c "import torch, hyper_adaptor.megatron_adaptor, megatron.core; print('torch', torch.__version__, '| megatron-core', megatron.core.__version__)"
-	touch $@
+	$(TORCH_PY) -m pip uninstall --quiet -y triton 2>/dev/null || true
 
-test-torch: $(TORCH_VENV)/.hyper_adaptor-installed
+test-torch: torch-venv
 	@rc=0; for phase in unit distributed; do \
 		if [ $$phase = unit ]; then workers="-n 2"; else workers=""; fi; \
 		echo "== torch $(TORCH): tests/$$phase (log: $(TORCH_VENV)/test-$$phase.log)"; \
