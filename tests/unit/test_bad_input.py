@@ -296,23 +296,28 @@ def test_good_variables_pass_and_an_unread_one_is_said():
 # ------------------------------------------------ a real training script: the same errors, before any process group
 
 SCRIPT_RUNNER = r"""
+# items: ("script", flags) runs examples/pretrain_gpt.py, ("describe", flags) python -m hyper_adaptor describe
 import contextlib, io, json, runpy, sys, traceback
 import torch
 import hyper_adaptor.megatron_adaptor
+from hyper_adaptor import cli
 results = []
-for flags in json.loads(sys.stdin.read()):
-    sys.argv = ["pretrain_gpt.py", *flags]
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+for kind, flags in json.loads(sys.stdin.read()):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            runpy.run_path("examples/pretrain_gpt.py", run_name="__main__")
-            code = 0
+            if kind == "describe":
+                code = cli.main(["describe", *flags])
+            else:
+                sys.argv = ["pretrain_gpt.py", *flags]
+                runpy.run_path("examples/pretrain_gpt.py", run_name="__main__")
+                code = 0
         except SystemExit as exit:
             code = exit.code
         except BaseException:
             traceback.print_exc()
             code = "raised"
-    results.append({"code": code, "stderr": err.getvalue()})
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
 print(json.dumps(results))
 """
 SCRIPT_LINES = [
@@ -326,7 +331,7 @@ SCRIPT_LINES = [
 
 
 def test_a_training_script_refuses_the_same_lines():
-    lines = [[*MODEL, "--mock-data", "--train-iters", "1", *flags] for flags, _ in SCRIPT_LINES]
+    lines = [("script", [*MODEL, "--mock-data", "--train-iters", "1", *flags]) for flags, _ in SCRIPT_LINES]
     result = subprocess.run([sys.executable, "-c", SCRIPT_RUNNER], input=json.dumps(lines), capture_output=True,
                             text=True, timeout=300, env=_environment(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]

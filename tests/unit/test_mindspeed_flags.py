@@ -17,7 +17,7 @@ from hyper_adaptor.features import FeatureConfigError
 from hyper_adaptor.features.base import asked
 from hyper_adaptor.mindspeed_flag_list import NOT_TRAINING_FLAGS, feature_doc_flags
 from hyper_adaptor.mindspeed_flags import MAPPED, MEGATRON_FLAGS, NOOP, REFUSED, ROWS, SAME
-from tests.unit.test_bad_input import MODEL, _environment, assert_refused
+from tests.unit.test_bad_input import MODEL, SCRIPT_RUNNER, _environment, assert_refused
 
 ROOT = Path(__file__).resolve().parents[2]
 ADAPTOR = adaptor_module.ADAPTOR
@@ -174,30 +174,6 @@ def test_the_migration_guide_is_generated_from_the_table():
         assert f"| `{row.flag}` |" in committed
 
 
-RUNNER = r"""
-import contextlib, io, json, runpy, sys, traceback
-import torch
-import hyper_adaptor.megatron_adaptor
-from hyper_adaptor import cli
-results = []
-for kind, flags in json.loads(sys.stdin.read()):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            if kind == "describe":
-                code = cli.main(["describe", *flags])
-            else:
-                sys.argv = ["pretrain_gpt.py", *flags]
-                runpy.run_path("examples/pretrain_gpt.py", run_name="__main__")
-                code = 0
-        except SystemExit as exit:
-            code = exit.code
-        except BaseException:
-            traceback.print_exc()
-            code = "raised"
-    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-print(json.dumps(results))
-"""
 ACCEPTED = ("--use-ascend-mc2", "--npu-deterministic", "--swap-attention", "--swap-modules",
             "input_norm,self_attention", "--context-parallel-algo", "megatron_cp_algo")
 REFUSED_LINE = ("--use-ascend-mc2", "--reuse-fp32-param")
@@ -209,8 +185,8 @@ def ran():
     process (a training script refused in its argument checks starts no process group and trains nothing)."""
     runs = [("describe", [*MODEL, *ACCEPTED]), ("describe", list(REFUSED_LINE)),
             ("script", [*MODEL, "--mock-data", "--train-iters", "1", *REFUSED_LINE])]
-    result = subprocess.run([sys.executable, "-c", RUNNER], input=json.dumps(runs), capture_output=True, text=True,
-                            timeout=300, env=_environment(), cwd=ROOT)
+    result = subprocess.run([sys.executable, "-c", SCRIPT_RUNNER], input=json.dumps(runs), capture_output=True,
+                            text=True, timeout=300, env=_environment(), cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
