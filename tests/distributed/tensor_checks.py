@@ -265,9 +265,9 @@ def plan_checks(mesh) -> dict:
 
 
 def run(rank: int, world_size: int) -> dict:
-    from hyper_adaptor.parallel.tensor import init_device_mesh
-
     import torch.distributed as dist
+
+    from hyper_adaptor.parallel.tensor import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world_size,), ("tp",))
     out = {"parity": tp_parity(mesh), "dropout": naive_dropout_differs(mesh),
