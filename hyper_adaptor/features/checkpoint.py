@@ -8,7 +8,8 @@ Requested whenever the run saves or loads (megatron's ``--save`` / ``--load``):
 - ``patches`` let optimizer state move between megatron's distributed optimizer and the per-parameter
   optimizers HSDP runs on (``patches/checkpoint/optimizer_formats.py``), record beside every saved
   checkpoint the layout and features that shaped it (``layout.py``), and keep the checkpoint resumed from a
-  complete one (``patches/checkpoint/survival.py``).
+  complete one (``patches/checkpoint/survival.py``); a synchronous save starts no process per rank
+  (``patches/checkpoint/sync_save.py``).
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ class Checkpoint(Feature):
             raise FeatureConfigError("--load: " + "; and ".join(problems))
 
     def patches(self, args):
-        from hyper_adaptor.patches.checkpoint import layout, optimizer_formats, survival
+        from hyper_adaptor.patches.checkpoint import layout, optimizer_formats, survival, sync_save
 
         return [*layout.patches(args, applied_features(args)), *optimizer_formats.patches(args),
-                *survival.patches(args)]
+                *survival.patches(args), *sync_save.patches(args)]
 
 
 def applied_features(args) -> tuple[str, ...]:
