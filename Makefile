@@ -46,12 +46,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The whole suite (unit, distributed parity, end to end), after the linter. The unit tests run on two
-# workers (pytest-xdist; they are single-process and independent); the distributed and torchrun tests
-# one at a time (each spawns its own world of processes).
+# The whole suite (unit, distributed parity, end to end), after the linter, on two pytest-xdist workers:
+# the unit tests spread one by one; the distributed and end-to-end tests a file at a time (their worlds and
+# launched runs are shared within a file: tests/conftest.py groups them), since one world of ranks alone
+# leaves the second core idle about half the time.
 test: lint
 	$(PY) -m pytest -q -n 2 --durations=20 $(PYTEST_ARGS) tests/unit
-	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) tests/distributed tests/e2e tests/gpu
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=40 $(PYTEST_ARGS) tests/distributed tests/e2e tests/gpu
 
 # Without the end-to-end torchrun runs.
 test-fast: lint

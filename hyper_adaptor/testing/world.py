@@ -20,9 +20,27 @@ import socket
 import time
 import traceback
 
+_next_port = [0]  # the next offset in this xdist worker's block of ports (free_port)
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT / torchrun)."""
+    """A TCP port on 127.0.0.1 that was free a moment ago (for MASTER_PORT / torchrun).
+
+    Under pytest-xdist (``PYTEST_XDIST_WORKER`` = ``gwN``) each worker takes ports from its own block below
+    the kernel's ephemeral range, in turn: two workers asking the kernel for a free port could both be given
+    the same one between one's check and its use (rank 0 binds it seconds later)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        base = 20000 + 1000 * (int(worker[2:]) % 12)
+        for _ in range(1000):
+            port = base + _next_port[0] % 1000
+            _next_port[0] += 1
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
