@@ -116,6 +116,7 @@ class ModelShape:
     world: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    schedule: str = ""            # the adaptor's --pipeline-schedule, "" for megatron's own
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -161,6 +162,7 @@ class ModelShape:
             dp=args.data_parallel_size, sp=bool(args.sequence_parallel), world=args.world_size,
             first_stage_layers=getattr(args, "num_layers_in_first_pipeline_stage", None),
             last_stage_layers=getattr(args, "num_layers_in_last_pipeline_stage", None),
+            schedule=getattr(args, "pipeline_schedule", None) or "",
         )
 
     # -- layout ---------------------------------------------------------------------------------------------
@@ -193,6 +195,9 @@ class ModelShape:
         """Global layer indices per model chunk of ``rank`` (one chunk without VPP). With VPP megatron deals
         the layers round-robin: chunk c of pipeline rank r holds block c x PP + r of L / (PP x VPP) layers."""
         r = self.rank_coords(rank)["pp"]
+        if self.schedule == "zbv":  # a V: chunk 0 is stage r, chunk 1 is stage 2 PP - 1 - r
+            per = self.layers // (2 * self.pp)
+            return [list(range(stage * per, (stage + 1) * per)) for stage in (r, 2 * self.pp - 1 - r)]
         if self.vpp > 1:
             per = self.layers // (self.pp * self.vpp)
             return [list(range((c * self.pp + r) * per, (c * self.pp + r + 1) * per)) for c in range(self.vpp)]
@@ -207,70 +212,97 @@ class ModelShape:
         return self.rank_coords(rank)["pp"] == 0
 
     def is_last_stage(self, rank: int) -> bool:
-        return self.rank_coords(rank)["pp"] == self.pp - 1
+        """Holds the output layer and the loss: the last pipeline rank, or the first under a V (zbv)."""
+        return self.rank_coords(rank)["pp"] == (0 if self.schedule == "zbv" else self.pp - 1)
 
     # -- parameters -----------------------------------------------------------------------------------------
 
-    def norm_params(self, width: int) -> int:
+    def norm_tensors(self, width: int) -> list[int]:
         """LayerNorm: weight and bias; RMSNorm: weight."""
-        return width * (2 if self.normalization == "LayerNorm" else 1)
+        return [width, width] if self.normalization == "LayerNorm" else [width]
 
-    def attention_params(self) -> int:
-        """One layer's linear_qkv, linear_proj and q/k layernorms on one tensor-parallel rank."""
+    def norm_params(self, width: int) -> int:
+        return sum(self.norm_tensors(width))
+
+    def _linear(self, rows: int, cols: int, bias: int) -> list[int]:
+        return [rows * cols] + ([bias] if bias else [])
+
+    def attention_tensors(self) -> list[int]:
+        """One layer's linear_qkv, linear_proj (whole bias on every TP rank) and q/k layernorms on one TP rank."""
         h, d, tp = self.hidden, self.head_dim, self.tp
         qkv_out = (self.heads + 2 * self.kv_heads) * d // tp
-        qkv = h * qkv_out + (qkv_out if self.qkv_bias else 0)
-        proj = self.heads * d // tp * h + (h if self.bias else 0)
-        qk_norms = 2 * self.norm_params(d) if self.qk_layernorm else 0
-        return qkv + proj + qk_norms
+        tensors = self._linear(qkv_out, h, qkv_out if self.qkv_bias else 0)
+        tensors += self._linear(h, self.heads * d // tp, h if self.bias else 0)
+        if self.qk_layernorm:
+            tensors += self.norm_tensors(d) + self.norm_tensors(d)
+        return tensors
 
-    def mlp_params(self, ffn: int, split: int) -> int:
+    def attention_params(self) -> int:
+        return sum(self.attention_tensors())
+
+    def mlp_tensors(self, ffn: int, split: int, bias: bool | None = None) -> list[int]:
         """One MLP (fc1 twice as wide with swiglu, then fc2) with ``ffn`` columns over ``split`` ranks."""
+        bias = self.bias if bias is None else bias
         h, width = self.hidden, ffn // split
         fc1_out = width * (2 if self.swiglu else 1)
-        fc1 = h * fc1_out + (fc1_out if self.bias else 0)
-        fc2 = width * h + (h if self.bias else 0)
-        return fc1 + fc2
+        return self._linear(fc1_out, h, fc1_out if bias else 0) + self._linear(h, width, h if bias else 0)
+
+    def mlp_params(self, ffn: int, split: int) -> int:
+        return sum(self.mlp_tensors(ffn, split))
+
+    def layer_tensors(self, index: int) -> list[tuple[str, int]]:
+        """(part, numel) of every parameter of global layer ``index`` on one rank."""
+        out = [("norms", n) for n in self.norm_tensors(self.hidden) * 2]
+        out += [("attention", n) for n in self.attention_tensors()]
+        if self.moe_pattern[index]:
+            local = self.num_experts // self.ep
+            out += [("router", n) for n in self._linear(self.num_experts, self.hidden,
+                                                         self.num_experts if self.bias else 0)]
+            if self.grouped_gemm:  # megatron's grouped experts: one fc1 and one fc2 weight, no biases
+                width = self.moe_ffn // self.etp
+                out += [("experts", self.hidden * local * width * (2 if self.swiglu else 1)),
+                        ("experts", self.hidden * local * width)]
+            else:
+                out += [("experts", n) for _ in range(local) for n in self.mlp_tensors(self.moe_ffn, self.etp)]
+            if self.shared_ffn:
+                out += [("shared_experts", n) for n in self.mlp_tensors(self.shared_ffn, self.tp)]
+                if self.shared_gate:
+                    out.append(("shared_experts", self.hidden))
+        else:
+            out += [("mlp", n) for n in self.mlp_tensors(self.ffn, self.tp)]
+        return out
 
     def layer_params(self, index: int) -> dict:
         """Parameter counts of global layer ``index`` on one rank, by part."""
-        counts = {"norms": 2 * self.norm_params(self.hidden), "attention": self.attention_params()}
-        if self.moe_pattern[index]:
-            local = self.num_experts // self.ep
-            expert = self.mlp_params(self.moe_ffn, self.etp)
-            if self.grouped_gemm:  # megatron's grouped experts carry no biases
-                expert = self.hidden * (self.moe_ffn // self.etp) * (3 if self.swiglu else 2)
-            counts["router"] = self.num_experts * self.hidden + (self.num_experts if self.bias else 0)
-            counts["experts"] = local * expert
-            if self.shared_ffn:
-                counts["shared_experts"] = self.mlp_params(self.shared_ffn, self.tp) + \
-                    (self.hidden if self.shared_gate else 0)
-        else:
-            counts["mlp"] = self.mlp_params(self.ffn, self.tp)
+        counts = {}
+        for part, n in self.layer_tensors(index):
+            counts[part] = counts.get(part, 0) + n
         return counts
+
+    def tensors_on(self, rank: int) -> list[tuple[str, int]]:
+        """(part, numel) of every parameter on ``rank``, in the model's order."""
+        out = []
+        first, last = self.is_first_stage(rank), self.is_last_stage(rank)
+        table = self.vocab // self.tp * self.hidden
+        if first:
+            out.append(("embedding", table))
+            if self.position_embedding == "learned_absolute":
+                out.append(("position_embedding", self.max_positions * self.hidden))
+        for index in self.layers_on(rank):
+            out += self.layer_tensors(index)
+        if last:
+            out += [("norms", n) for n in self.norm_tensors(self.hidden)]
+            if self.untied or not first:
+                out.append(("output_layer", table))
+        return out
 
     def params_on(self, rank: int) -> dict:
         """Parameter counts on ``rank`` by part: embedding (first stage: vocab / TP x hidden), position_embedding
         (learned absolute: max positions x hidden), norms, attention, mlp, router, experts, shared_experts,
         output_layer (last stage: untied, or the embedding's copy when tied and PP > 1)."""
         counts = {}
-
-        def add(part, n):
+        for part, n in self.tensors_on(rank):
             counts[part] = counts.get(part, 0) + n
-
-        first, last = self.is_first_stage(rank), self.is_last_stage(rank)
-        table = self.vocab // self.tp * self.hidden
-        if first:
-            add("embedding", table)
-            if self.position_embedding == "learned_absolute":
-                add("position_embedding", self.max_positions * self.hidden)
-        for index in self.layers_on(rank):
-            for part, n in self.layer_params(index).items():
-                add(part, n)
-        if last:
-            add("norms", self.norm_params(self.hidden))
-            if self.untied or not first:
-                add("output_layer", table)
         return counts
 
     def expert_params_on(self, rank: int) -> int:
