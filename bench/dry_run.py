@@ -137,7 +137,7 @@ def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: in
     if predicted is not None:
         try:
             prediction = predicted([*flags, "--train-iters", str(iters + timed)], nproc)
-        except Exception as error:  # noqa: BLE001  (a prediction that fails is a finding, not a crash)
+        except Exception as error:  # a prediction that fails is a finding, not a crash
             prediction_error = f"{type(error).__name__}: {error}"
     row["prediction_error"] = prediction_error
     row["predicted_step_s"] = _predicted_time(flags, nproc)

@@ -345,6 +345,7 @@ def _rank_main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     import hyper_adaptor.megatron_adaptor  # noqa: F401  (before megatron, as the script's own line)
+
     import megatron.training.training as training
 
     state = _Rank(tracked)
