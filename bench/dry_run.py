@@ -148,7 +148,7 @@ def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: in
             cls: sum(p["parts"].get(k, 0) for k in keys) for cls, keys in PREDICTED_CLASSES.items()}
         row["ranks"].append({
             **{k: m[k] for k in ("rank", "peak", "parts_at_peak", "main_parameters_at_peak", "other_by_op",
-                                 "peak_iteration", "host_peak", "step_time_s", "step_times_s",
+                                 "peak_iteration", "live_after_tracked", "host_peak", "step_time_s", "step_times_s",
                                  "step_time_tracked", "tracker_left_on")},
             "predicted_peak": None if p is None else p["peak"],
             "predicted_parts": None if p is None else p["parts"],
@@ -196,19 +196,21 @@ def _f(x, spec=".3f") -> str:
 
 
 def table(result: dict) -> str:
+    # peak iter: the tracked iteration that set the peak (the last one, with live bytes after it well above the
+    # model state, is memory growing from step to step)
     head = ("row", "ranks", "rank", "measured MiB", "predicted MiB", "pred / meas", "host MiB meas / pred",
-            "peak iter", "step s", "pred step s")
+            "peak iter", "live after MiB", "step s", "pred step s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         if row["error"]:
-            lines.append(f"| {row['name']} | {row['nproc']} | - | FAILED | | | | | | |")
+            lines.append(f"| {row['name']} | {row['nproc']} | - | FAILED | | | | | | | |")
             continue
         for r in row["ranks"]:
             host_pred = None if r["predicted_host"] is None else sum(r["predicted_host"].values())
             lines.append("| " + " | ".join((
                 row["name"], str(row["nproc"]), str(r["rank"]), mib(r["peak"]), mib(r["predicted_peak"]),
                 _f(r["ratio"]), f"{mib(r['host_peak'])} / {mib(host_pred)}", str(r["peak_iteration"]),
-                _f(r["step_time_s"]), _f(row["predicted_step_s"]))) + " |")
+                mib(r.get("live_after_tracked")), _f(r["step_time_s"]), _f(row["predicted_step_s"]))) + " |")
     parts = ["", "Parts at the peak, MiB, measured / predicted (parameters; gradients; optimizer state with fp32 "
              "main parameters; other = activations, logits and loss, communication buffers, temporaries):", "",
              "| row | rank | parameters | gradients | optimizer state (main params) | other | largest other (op MiB) |",
