@@ -248,7 +248,10 @@ class StorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        given = {id(s) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) for s in _storages(t)}
+        leaves = tree_leaves((args, kwargs))
+        # a storage handed over as it is (``set_(storage)``) is given too: it already exists
+        given = {id(s) for t in leaves if isinstance(t, torch.Tensor) for s in _storages(t)}
+        given.update(id(t) for t in leaves if isinstance(t, torch.UntypedStorage))
         out = func(*args, **kwargs)
         if self.skip is None or not self.skip():
             for t in tree_leaves(out):

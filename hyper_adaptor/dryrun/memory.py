@@ -1,0 +1,489 @@
+"""Each rank's device memory for a Megatron command line, by part, without building the model.
+
+One function per part, each counting bytes on one rank (``shape`` is a ModelShape, ``args`` the checked
+namespace). The parts and their assumptions are listed in docs/features/dry-run.md; in short:
+
+* parameters, gradients, main_parameters, optimizer_state: the model state, from the per-rank parameter
+  tensors (shape.py) and the wrappers that hold it: megatron's DDP contiguous buffers (padded with the
+  distributed optimizer), its mixed-precision optimizer (fp32 main copies), Adam / Muon state, HSDP's
+  levels, optimizer offload (what moves to the host is in ``host``);
+* activations: what one transformer layer keeps for backward per micro-batch (:func:`layer_terms`, checked
+  against torch's saved-tensor hooks on megatron's own layer), less what recompute drops and swap moves,
+  times the layers on the rank and the micro-batches the schedule keeps in flight there;
+* logits_and_loss, communication_buffers, transient: the last stage's logits, the buffers the collectives
+  need beside the model state, and the largest temporary of a backward or of the optimizer step.
+
+``peak`` = the model state + communication buffers + activations + logits_and_loss + transient: the
+activations peak at the last forward before the first backward on the rank, when the model state of a
+second (or later) step is all allocated (optimizer state exists from the first step on).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hyper_adaptor.dryrun.shape import BYTES, ModelShape
+from hyper_adaptor.features.base import asked
+
+PARTS = ("parameters", "gradients", "main_parameters", "optimizer_state", "activations", "logits_and_loss",
+         "communication_buffers", "transient")
+FP32 = 4
+ALIGN = 64  # megatron's distributed optimizer starts every parameter at a multiple of 64 elements
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    parts: dict[str, int]
+    host: dict[str, int] = field(default_factory=dict)
+    ranks: list[int] = field(default_factory=list)   # every rank with this prediction (rank is the first)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Prediction:
+    ranks: list[RankMemory]      # one per rank
+    shape: ModelShape
+
+    def groups(self) -> list[RankMemory]:
+        """Ranks with equal predictions together, in rank order (``ranks`` lists the members)."""
+        seen: dict[tuple, RankMemory] = {}
+        for r in self.ranks:
+            key = (tuple(sorted(r.parts.items())), tuple(sorted(r.host.items())))
+            if key in seen:
+                seen[key].ranks.append(r.rank)
+            else:
+                seen[key] = RankMemory(r.rank, r.parts, r.host, [r.rank])
+        return list(seen.values())
+
+
+# -- the model state ------------------------------------------------------------------------------------------
+
+def _hsdp(args) -> tuple[int, int]:
+    """(HSDP level 0-3, shard group size); level 0 without --use-hsdp."""
+    if not asked(args, "use_hsdp", False):
+        return 0, 1
+    level = int(str(args.hsdp_optimizer_level)[-1])
+    size = args.hsdp_shard_size
+    return level, (size if size and size > 0 else args.data_parallel_size * args.context_parallel_size)
+
+
+def _dp_shards(shape: ModelShape, expert: bool) -> int:
+    """The data-parallel group megatron's DDP and distributed optimizer use: DP x CP for the dense
+    parameters, the expert data-parallel size for the experts."""
+    return shape.edp if expert else shape.dp * shape.cp
+
+
+def buffer_numel(shape: ModelShape, args, rank: int, expert: bool) -> int:
+    """Elements of megatron's contiguous parameter/gradient buffer on ``rank`` (dense or expert buffer): the
+    parameters' sum, or with the distributed optimizer each start aligned to 64 elements and each bucket's end
+    to lcm(data-parallel size, 128). Buckets: one, or ``--ddp-bucket-size`` elements (default
+    max(4e7, 1e6 x DP)) with --overlap-grad-reduce."""
+    numels = [n for part, n in shape.tensors_on(rank) if (part == "experts") == expert]
+    if not args.use_distributed_optimizer:
+        return sum(numels)
+    dp = _dp_shards(shape, expert)
+    bucket = None
+    if args.overlap_grad_reduce:
+        bucket = args.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+    end_divisor = math.lcm(dp, 128)
+    total = start = 0
+    for n in reversed(numels):  # megatron fills the buffer in backward order
+        total = -(-total // ALIGN) * ALIGN + n
+        if bucket is not None and total - start >= bucket:
+            total = start = -(-total // end_divisor) * end_divisor
+    return -(-total // end_divisor) * end_divisor if numels else 0
+
+
+def _dense_and_expert(shape, args, rank) -> list[tuple[int, int]]:
+    """[(buffer elements, data-parallel shards)] for the dense and, with MoE, the expert buffer."""
+    out = [(buffer_numel(shape, args, rank, False), _dp_shards(shape, False))]
+    if shape.num_experts:
+        out.append((buffer_numel(shape, args, rank, True), _dp_shards(shape, True)))
+    return out
+
+
+def parameters(shape: ModelShape, args, rank: int) -> int:
+    """The model's parameters in their dtype (bf16 / fp16 with --bf16 / --fp16: megatron builds them in it).
+    With the distributed optimizer they live in DDP's padded parameter buffer. HSDP level 3 keeps a 1/shard
+    slice (the gathered layer is in ``transient``)."""
+    level, shard = _hsdp(args)
+    width = BYTES[shape.dtype]
+    if level == 3:
+        return sum(n for _, n in shape.tensors_on(rank)) * width // shard
+    return sum(n for n, _ in _dense_and_expert(shape, args, rank)) * width
+
+
+def grad_bytes(shape: ModelShape, args) -> int:
+    """Bytes of one gradient element in DDP's buffer: fp32 with --accumulate-allreduce-grads-in-fp32 (megatron
+    sets it for bf16) or fp32 parameters, else the parameters' dtype."""
+    if shape.dtype == "fp32" or args.accumulate_allreduce_grads_in_fp32:
+        return FP32
+    return BYTES[shape.dtype]
+
+
+def gradients(shape: ModelShape, args, rank: int) -> int:
+    """megatron DDP's contiguous gradient buffer (``main_grad``), allocated when the model is wrapped and kept
+    for the whole run; HSDP level 1 keeps whole gradients, levels 2 and 3 a 1/shard slice."""
+    level, shard = _hsdp(args)
+    if level:
+        count = sum(n for _, n in shape.tensors_on(rank))
+        width = BYTES[asked(args, "hsdp_reduce_dtype", None) or shape.dtype] \
+            if asked(args, "hsdp_reduce_dtype", None) in BYTES else grad_bytes(shape, args)
+        return count * width // (shard if level >= 2 else 1)
+    return sum(n for n, _ in _dense_and_expert(shape, args, rank)) * grad_bytes(shape, args)
+
+
+def _offload_fraction(args) -> float:
+    return args.optimizer_offload_fraction if asked(args, "optimizer_cpu_offload", False) else 0.0
+
+
+def _state_elements(shape, args, rank) -> int:
+    """Elements the optimizer updates on ``rank``: every parameter, or this rank's shard of the buffers
+    (distributed optimizer: buffer / DP shards; HSDP: parameters / shard size)."""
+    level, shard = _hsdp(args)
+    if level:
+        return -(-sum(n for _, n in shape.tensors_on(rank)) // shard)
+    if args.use_distributed_optimizer:
+        return sum(n // dp for n, dp in _dense_and_expert(shape, args, rank))
+    return sum(n for _, n in shape.tensors_on(rank))
+
+
+def main_parameters(shape: ModelShape, args, rank: int) -> int:
+    """fp32 master copies the mixed-precision optimizer keeps beside bf16 / fp16 parameters (megatron's
+    Float16OptimizerWithFloat16Params; the distributed optimizer and HSDP keep only this rank's shard). None
+    for fp32 parameters, nor with --use-precision-aware-optimizer. The offloaded fraction is on the host."""
+    if shape.dtype == "fp32" or asked(args, "use_precision_aware_optimizer", False):
+        return 0
+    return round(_state_elements(shape, args, rank) * FP32 * (1 - _offload_fraction(args)))
+
+
+def _muon_elements(shape, rank) -> int:
+    """Parameters Muon updates: the 2-D weights of the transformer layers (not embeddings, output, norms)."""
+    return sum(n for part, n in shape.tensors_on(rank) if part in ("attention", "mlp", "experts", "shared_experts")
+               and n >= shape.hidden * 2)
+
+
+def optimizer_state(shape: ModelShape, args, rank: int) -> int:
+    """Adam: exp_avg and exp_avg_sq (fp32 unless --exp-avg-dtype / --exp-avg-sq-dtype) per element the rank
+    updates; Muon: one momentum for the matrices it updates, Adam's two for the rest. Sharded as
+    main_parameters; the offloaded fraction is on the host."""
+    return round(_full_optimizer_state(shape, args, rank) * (1 - _offload_fraction(args)))
+
+
+def _full_optimizer_state(shape, args, rank) -> int:
+    elements = _state_elements(shape, args, rank)
+    avg = BYTES.get(asked(args, "exp_avg_dtype", "fp32"), FP32)
+    avg_sq = BYTES.get(asked(args, "exp_avg_sq_dtype", "fp32"), FP32)
+    if args.optimizer == "muon":
+        total = sum(n for _, n in shape.tensors_on(rank))
+        muon = elements * _muon_elements(shape, rank) // max(total, 1)
+        state = muon * FP32 + (elements - muon) * (avg + avg_sq)
+    elif args.optimizer == "sgd":
+        state = elements * FP32 if args.sgd_momentum else 0
+    else:
+        state = elements * (avg + avg_sq)
+    return state
+
+
+def host_memory(shape: ModelShape, args, rank: int, activations_host: int) -> dict[str, int]:
+    """Host bytes: the offloaded optimizer state and fp32 masters (the host engine keeps an fp32 master of
+    every offloaded element), and the activations swapped out."""
+    host = {}
+    fraction = _offload_fraction(args)
+    if fraction:
+        host["optimizer_state"] = round(_full_optimizer_state(shape, args, rank) * fraction)
+        host["main_parameters"] = round(_state_elements(shape, args, rank) * FP32 * fraction)
+    if activations_host:
+        host["activations"] = activations_host
+    return host
+
+
+def communication_buffers(shape: ModelShape, args, rank: int) -> int:
+    """Buffers the collectives hold beside the model state: HSDP's gather and reduce buckets (two of
+    --hsdp-bucket-size-kb); the pipeline's received activation and gradient (s x b x h each); the sequence-
+    parallel all-gather buffer megatron keeps (s x b x h). megatron DDP reduces inside its gradient buffer."""
+    width = BYTES[shape.dtype]
+    sbh = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width
+    total = 0
+    level, _ = _hsdp(args)
+    if level:
+        bucket_kb = asked(args, "hsdp_bucket_size_kb", 0) or 0
+        largest = max((sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)), default=0)
+        bucket = min(int(bucket_kb * 1024), largest * width) if bucket_kb > 0 else largest * width
+        total += 2 * bucket  # a bucket holds at most one layer's parameters (buckets do not span modules)
+    if shape.pp > 1:
+        total += 2 * sbh
+    if shape.sp and shape.tp > 1:
+        total += sbh
+    return total
+
+
+# -- activations ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Term:
+    """One tensor a layer keeps for backward: ``module`` names the submodule that keeps it (the names swap and
+    recompute use), ``nbytes`` its size for one micro-batch on one rank."""
+    name: str
+    module: str
+    nbytes: int
+    linear_input: bool = False   # kept for the weight gradient too (what a zero-bubble W step still needs)
+
+
+def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
+    """What megatron's local-spec TransformerLayer keeps for backward per micro-batch, on one rank.
+
+    s = seq / CP, b = micro-batch, h = hidden, a = heads / TP, B = activation bytes (2 for bf16 / fp16),
+    m = dropout-mask bytes (1 on cuda / npu: a bool mask; B on cpu, where torch's dropout keeps a scaled
+    mask of the input's dtype). Full-width tensors (s x b x h) are divided by TP under sequence parallel.
+    """
+    s, b, h = shape.seq // shape.cp, shape.micro_batch, shape.hidden
+    tp, d = shape.tp, shape.head_dim
+    half = shape.dtype != "fp32"
+    width = BYTES[shape.dtype]
+    mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
+    full = s * b * h // (tp if shape.sp else 1)    # elements of one full-width tensor on this rank
+    sb = s * b // (tp if shape.sp else 1)
+    heads = shape.heads // tp
+    terms = []
+
+    def norm(module):
+        if shape.normalization == "RMSNorm":  # torch's RMSNorm: fp32 copy of the input, 1/rms, normalized fp32
+            if half:
+                terms.append(Term("norm input (fp32)", module, full * FP32))
+            terms.extend([Term("norm rstd", module, sb * FP32), Term("norm normalized (fp32)", module, full * FP32)])
+        else:  # torch's layer_norm: its input, and mean and rstd in fp32
+            terms.extend([Term("norm input", module, full * width), Term("norm mean, rstd", module, 2 * sb * FP32)])
+
+    norm("attn_norm")
+    terms.append(Term("qkv input", "qkv_linear", full * width, True))
+    terms.append(Term("q, k, v", "core_attn", s * b * (shape.heads + 2 * shape.kv_heads) * d // tp * width))
+    scores = b * heads * s * shape.seq  # queries of this CP rank against every key
+    softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
+    terms.append(Term("softmax output", "core_attn", scores * (FP32 if softmax_fp32 else width)))
+    if softmax_fp32:
+        terms.append(Term("softmax output (cast)", "core_attn", scores * width))
+    if args.attention_dropout > 0:
+        terms.append(Term("attention dropout mask", "core_attn", scores * mask))
+        terms.append(Term("attention dropout output", "core_attn", scores * width))
+    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * d // tp * width, True))
+    if args.hidden_dropout > 0:
+        terms.append(Term("attention residual dropout mask", "bda", full * mask))
+    norm("mlp_norm")
+    ffn = shape.ffn // tp
+    if moe:
+        terms.extend(_moe_terms(shape, args, full, width))
+    else:
+        terms.append(Term("fc1 input", "mlp", full * width, True))
+        terms.extend(_mlp_activation(s * b * ffn, width, shape.swiglu, "mlp"))
+    if args.hidden_dropout > 0:
+        terms.append(Term("mlp residual dropout mask", "bda", full * mask))
+    return terms
+
+
+def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list[Term]:
+    """fc1's output and the activation's (fc2's input). megatron's unfused swiglu also keeps both halves and
+    silu's output: 5 x (tokens x ffn) against gelu's 2."""
+    if swiglu:
+        return [Term("fc1 output", module, 2 * columns * width), Term("swiglu halves, silu", "moe_act"
+                if module == "experts" else module, 2 * columns * width),
+                Term("fc2 input", module, columns * width, True)]
+    return [Term("fc1 output", module, columns * width), Term("fc2 input", module, columns * width, True)]
+
+
+def _moe_terms(shape: ModelShape, args, full: int, width: int) -> list[Term]:
+    """An MoE layer's MLP part. Assumption: balanced routing, so each rank's experts get on average
+    s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank, tokens
+    from the EP group's ranks)."""
+    s, b = shape.seq // shape.cp, shape.micro_batch
+    tokens = s * b * shape.topk
+    terms = [Term("router input", "moe", full * width),
+             Term("router logits, probabilities", "moe", 3 * s * b * shape.num_experts * FP32),
+             Term("permuted tokens", "experts", tokens * shape.hidden * width, True)]
+    for term in _mlp_activation(tokens * (shape.moe_ffn // shape.etp), width, shape.swiglu, "experts"):
+        terms.append(term)
+    terms.append(Term("expert output (unpermute)", "experts", tokens * shape.hidden * width))
+    if shape.shared_ffn:
+        terms.append(Term("shared expert input", "shared_experts", full * width, True))
+        terms.extend(_mlp_activation(s * b * shape.shared_ffn // shape.tp, width, shape.swiglu, "shared_experts"))
+    return terms
+
+
+SWAP_NAMES = {  # the adaptor's --swap-modules and megatron's --offload-modules -> layer_terms modules
+    "layer": {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "bda", "mlp_norm", "mlp", "moe", "experts",
+              "moe_act", "shared_experts"},
+    "self_attn": {"qkv_linear", "core_attn", "attn_proj"}, "core_attn": {"core_attn"},
+    "mlp": {"mlp", "moe", "experts", "moe_act", "shared_experts"}, "layernorm": {"attn_norm", "mlp_norm"},
+    "attn_norm": {"attn_norm"}, "qkv_linear": {"qkv_linear"}, "attn_proj": {"attn_proj"},
+    "mlp_norm": {"mlp_norm"}, "expert_fc1": {"experts"},
+}
+
+
+def swapped_modules(args, layer_in_chunk: int) -> set[str]:
+    """The layer_terms modules whose saved tensors go to the host for a layer (its index in its chunk)."""
+    names = set(asked(args, "swap_modules", None) or ())
+    if asked(args, "swap_attention", False):
+        names.add("self_attn")
+    if asked(args, "fine_grained_activation_offloading", False):
+        names.update(asked(args, "offload_modules", None) or ())
+    if layer_in_chunk < (asked(args, "cpu_offloading_num_layers", 0) or 0):
+        names.add("layer")
+    return set().union(*(SWAP_NAMES.get(n, set()) for n in names)) if names else set()
+
+
+def recomputed(args, terms: list[Term]) -> list[Term]:
+    """Selective recompute (--recompute-granularity selective --recompute-modules, megatron's default
+    core_attn): what stays. core_attn keeps q, k, v (its checkpoint's inputs); mlp keeps its input; layernorm
+    keeps the norm's input and drops its output; moe_act drops the activation's extra tensors."""
+    if args.recompute_granularity != "selective":
+        return terms
+    modules = set(args.recompute_modules or ["core_attn"])
+
+    def dropped(t: Term) -> bool:
+        return (("core_attn" in modules and t.module == "core_attn" and t.name != "q, k, v")
+                or ("mlp" in modules and t.module == "mlp" and t.name != "fc1 input")
+                or ("moe" in modules and t.module in ("moe", "experts", "moe_act") and t.name != "router input")
+                or ("moe_act" in modules and t.module == "moe_act")
+                or ("layernorm" in modules and t.name in ("qkv input", "fc1 input", "norm mean, rstd", "norm rstd",
+                                                          "norm normalized (fp32)")))
+
+    return [t for t in terms if not dropped(t)]
+
+
+def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
+    """(micro-batches in flight per model chunk of ``rank`` at its peak, those kept until the weight gradient
+    beyond them). megatron's own schedules: PP 1 runs one micro-batch at a time; 1F1B keeps PP - r; its
+    interleaved schedule keeps min(2 (PP - r - 1) + (VPP - 1) PP + 1, V x m) chunk-forwards, spread over the
+    chunks. The adaptor's --pipeline-schedule: the simulator's peak count (timeline.inflight_peaks)."""
+    m = shape.num_micro_batches
+    r = shape.rank_coords(rank)["pp"]
+    chunks = len(shape.chunks_on(rank))
+    if shape.pp == 1:
+        return [1] * chunks, 0
+    if shape.schedule:
+        from hyper_adaptor.parallel.pipeline import schedules, timeline
+
+        c = None if shape.schedule in ("gpipe", "1f1b", "zbh1") else (2 if shape.schedule == "zbv" else shape.vpp)
+        _, lists = schedules.build(shape.schedule, shape.pp, m, c)
+        until_i, until_w = timeline.inflight_peaks(lists)
+        total, extra = until_i[r], until_w[r] - until_i[r]
+    elif chunks == 1:
+        return [min(shape.pp - r, m)], 0
+    else:
+        total, extra = min(2 * (shape.pp - r - 1) + (chunks - 1) * shape.pp + 1, chunks * m), 0
+    per = [total // chunks + (1 if i < total % chunks else 0) for i in range(chunks)]
+    return per, extra
+
+
+def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
+    """(device bytes, host bytes, weight-gradient bytes) one micro-batch of global layer ``index`` keeps."""
+    terms = recomputed(args, layer_terms(shape, args, bool(shape.moe_pattern[index])))
+    swapped = swapped_modules(args, position)
+    least = asked(args, "min_offloaded_tensor_size", 1024 * 1024) or 0
+    device = host = 0
+    for t in terms:
+        if t.module in swapped and t.nbytes >= least:
+            host += t.nbytes
+        else:
+            device += t.nbytes
+    return device, host, sum(t.nbytes for t in terms if t.linear_input)
+
+
+def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
+    """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
+    bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
+    one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
+    one group's activations rebuilt during its backward. Swapped tensors count on the host."""
+    per_chunk, extra = inflight(shape, args, rank)
+    width = BYTES[shape.dtype]
+    layer_input = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width // (shape.tp if shape.sp else 1)
+    device = host = rebuilt = 0
+    full = args.recompute_granularity == "full"
+    group = args.recompute_num_layers or 1
+    for chunk, count in zip(shape.chunks_on(rank), per_chunk, strict=True):
+        for position, index in enumerate(chunk):
+            dev, hst, wgrad = _layer_bytes(shape, args, index, position)
+            checkpointed = full and (args.recompute_method != "block" or position < group)
+            if checkpointed:
+                if args.recompute_method != "block":
+                    device += count * layer_input * (position % group == 0)
+                else:
+                    device += count * layer_input
+                rebuilt = max(rebuilt, dev * (group if args.recompute_method != "block" else 1))
+                continue
+            device += count * dev + extra * wgrad
+            host += count * hst
+    if shape.is_first_stage(rank) and args.hidden_dropout > 0:
+        mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
+        device += per_chunk[0] * layer_input // width * mask  # the embedding's dropout
+    return device + rebuilt, host
+
+
+def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
+    """On the stage with the loss: the final norm's output (s x b x h, kept by the output layer), megatron's
+    cross entropy's fp32 logits (s x b x vocab / TP, kept for backward and turned into their gradient in
+    place), and the output layer's own logits in the parameters' dtype while they are cast; per micro-batch
+    in flight there (GPipe keeps every micro-batch's, the other schedules one)."""
+    if not shape.is_last_stage(rank):
+        return 0
+    width = BYTES[shape.dtype]
+    s, b = shape.seq // shape.cp, shape.micro_batch
+    logits = s * b * shape.vocab // shape.tp
+    per = logits * FP32 + (logits * width if width != FP32 else 0) + s * b * shape.hidden * width
+    kept = shape.num_micro_batches if shape.schedule == "gpipe" else 1
+    return per * kept
+
+
+def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
+    """The largest temporary: inside a layer's backward (the scores' gradient twice — softmax and dropout — or
+    fc1's output gradient twice, plus the layer input's gradient), HSDP level 3's gathered layer, or the
+    optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
+    fp32 tensor per updated element) beyond the activations then freed."""
+    width = BYTES[shape.dtype]
+    s, b = shape.seq // shape.cp, shape.micro_batch
+    scores = b * shape.heads // shape.tp * s * shape.seq * width
+    fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
+    if shape.num_experts:
+        fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
+    backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
+    level, _ = _hsdp(args)
+    if level == 3 and shape.layers_on(rank):
+        backward += max(sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)) * width
+    tensors = [n for _, n in shape.tensors_on(rank)]
+    if asked(args, "device", "cpu") == "cpu":
+        step = 2 * max(tensors, default=0) * FP32
+    else:
+        step = _state_elements(shape, args, rank) * FP32
+    return max(backward, step - activations_and_logits)
+
+
+def predict(args) -> Prediction:
+    """Each rank's device memory by part (PARTS), and its host memory, for a namespace from ``parse``."""
+    shape = ModelShape.from_args(args)
+    ranks = []
+    cache = {}
+    for rank in range(shape.world):
+        c = shape.rank_coords(rank)
+        key = (c["pp"], c["ep"])  # TP / CP / DP ranks hold the same sizes; PP and EP change them
+        if key not in cache:
+            device_act, host_act = activations(shape, args, rank)
+            logits = logits_and_loss(shape, args, rank)
+            parts = {
+                "parameters": parameters(shape, args, rank),
+                "gradients": gradients(shape, args, rank),
+                "main_parameters": main_parameters(shape, args, rank),
+                "optimizer_state": optimizer_state(shape, args, rank),
+                "activations": device_act,
+                "logits_and_loss": logits,
+                "communication_buffers": communication_buffers(shape, args, rank),
+                "transient": transient(shape, args, rank, device_act + logits),
+            }
+            cache[key] = (parts, host_memory(shape, args, rank, host_act))
+        parts, host = cache[key]
+        ranks.append(RankMemory(rank, dict(parts), dict(host), [rank]))
+    return Prediction(ranks, shape)

@@ -1,0 +1,115 @@
+"""``python -m hyper_adaptor dry-run <megatron flags> --world-size N [--device-memory GiB] [--device D]``.
+
+One row per group of ranks with the same prediction, a column per part in MiB and the peak; then whether
+the largest rank fits ``--device-memory`` and, if not, which part to cut and with which flags (exit status 1
+when it does not fit, 2 on bad input).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hyper_adaptor.dryrun.memory import PARTS, Prediction, predict
+from hyper_adaptor.dryrun.shape import parse
+from hyper_adaptor.features.base import asked
+
+MIB = 1024 * 1024
+GIB = 1024 * MIB
+SHORT = {"parameters": "params", "gradients": "grads", "main_parameters": "main", "optimizer_state": "optim",
+         "activations": "activ", "logits_and_loss": "logits", "communication_buffers": "comm",
+         "transient": "transient"}
+
+
+def _ranks(ranks: list[int]) -> str:
+    """'rank 3', 'ranks 0-3', 'ranks 0,2,5'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ",".join(map(str, ranks))
+
+
+def table(prediction: Prediction) -> list[str]:
+    groups = prediction.groups()
+    header = ["ranks"] + [SHORT[p] for p in PARTS] + ["peak", "host"]
+    rows = []
+    for g in groups:
+        rows.append([_ranks(g.ranks)] + [f"{g.parts[p] / MIB:.1f}" for p in PARTS]
+                    + [f"{g.peak / MIB:.1f}", f"{sum(g.host.values()) / MIB:.1f}"])
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return [line(header)] + [line(r) for r in rows]
+
+
+def advice(part: str, args) -> list[str]:
+    """Flags that cut ``part``, the ones already given left out."""
+    shape_tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    options = {
+        "activations": [("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                         args.recompute_granularity == "full"),
+                        ("--recompute-granularity selective", args.recompute_granularity is not None),
+                        ("--swap-attention", asked(args, "swap_attention", False)),
+                        ("--sequence-parallel", args.sequence_parallel or shape_tp == 1),
+                        (f"--tensor-model-parallel-size {shape_tp * 2}", False),
+                        ("a smaller --micro-batch-size", args.micro_batch_size == 1)],
+        "optimizer_state": [("--use-distributed-optimizer", args.use_distributed_optimizer
+                             or asked(args, "use_hsdp", False)),
+                            ("--optimizer-cpu-offload", asked(args, "optimizer_cpu_offload", False)),
+                            (f"--pipeline-model-parallel-size {pp * 2}", False)],
+        "main_parameters": [("--use-distributed-optimizer", args.use_distributed_optimizer
+                             or asked(args, "use_hsdp", False)),
+                            ("--optimizer-cpu-offload", asked(args, "optimizer_cpu_offload", False))],
+        "gradients": [("--use-hsdp --hsdp-optimizer-level level2", asked(args, "use_hsdp", False)),
+                      (f"--pipeline-model-parallel-size {pp * 2}", False),
+                      (f"--tensor-model-parallel-size {shape_tp * 2}", False)],
+        "parameters": [("--use-hsdp --hsdp-optimizer-level level3",
+                        asked(args, "hsdp_optimizer_level", "") == "level3"),
+                       (f"--tensor-model-parallel-size {shape_tp * 2}", False),
+                       (f"--pipeline-model-parallel-size {pp * 2}", False)],
+        "logits_and_loss": [(f"--tensor-model-parallel-size {shape_tp * 2}", False),
+                            ("a smaller --micro-batch-size", args.micro_batch_size == 1)],
+        "communication_buffers": [("a smaller --hsdp-bucket-size-kb / --ddp-bucket-size", False)],
+        "transient": [("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+                       args.recompute_granularity == "full"),
+                      (f"--tensor-model-parallel-size {shape_tp * 2}", False)],
+    }
+    return [flag for flag, given in options[part] if not given]
+
+
+def verdict(prediction: Prediction, args) -> list[str]:
+    worst = max(prediction.ranks, key=lambda r: r.peak)
+    if args.device_memory is None:
+        return [f"largest peak: {worst.peak / GIB:.3f} GiB on rank {worst.rank} (pass --device-memory GiB to check "
+                f"a device)"]
+    limit = args.device_memory * GIB
+    if worst.peak <= limit:
+        return [f"fits in {args.device_memory:g} GiB: largest peak {worst.peak / GIB:.3f} GiB on rank {worst.rank}"]
+    part = max(PARTS, key=lambda p: worst.parts[p])
+    cut = advice(part, args)[:3] or ["more devices or a smaller model"]
+    return [f"does not fit in {args.device_memory:g} GiB: rank {worst.rank} needs {worst.peak / GIB:.3f} GiB; "
+            f"largest part is {part} ({worst.parts[part] / GIB:.3f} GiB), cut it with {' or '.join(cut)}"]
+
+
+def main(flags: list[str], out=None) -> int:
+    out = out or sys.stdout
+    if any(f in ("-h", "--help") for f in flags):
+        print("usage: python -m hyper_adaptor dry-run [megatron and hyper_adaptor flags] --world-size N "
+              "[--device-memory GiB] [--device npu|cuda|cpu]\n\nPredicts each rank's peak device memory by part "
+              "(MiB) without building the model; docs/features/dry-run.md says what each part counts.", file=out)
+        return 0
+    args = parse(flags)
+    prediction = predict(args)
+    shape = prediction.shape
+    layout = f"TP {shape.tp} x PP {shape.pp}" + (f" (x{shape.vpp} chunks)" if shape.vpp > 1 else "") + \
+        f" x CP {shape.cp} x DP {shape.dp}" + (f", EP {shape.ep} (ETP {shape.etp})" if shape.num_experts else "")
+    schedule = shape.schedule or ("megatron's 1F1B" if shape.vpp == 1 else "megatron's interleaved 1F1B")
+    print(f"dry-run of {shape.world} ranks on {args.device}: {layout}; {shape.dtype}; "
+          f"{shape.num_micro_batches} micro-batches of {shape.micro_batch} x {shape.seq} tokens"
+          + (f"; {schedule}" if shape.pp > 1 else ""), file=out)
+    print("memory per rank (MiB; host = swapped activations and offloaded optimizer state):", file=out)
+    for line in table(prediction):
+        print("  " + line, file=out)
+    for line in verdict(prediction, args):
+        print(line, file=out)
+    fits = args.device_memory is None or max(r.peak for r in prediction.ranks) <= args.device_memory * GIB
+    return 0 if fits else 1

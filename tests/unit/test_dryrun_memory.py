@@ -1,0 +1,252 @@
+"""The dry-run's memory model: each part against a hand-computed case (the arithmetic is in the test), the
+parameter counts against megatron's own GPT, and one layer's activation formula against what megatron's layer
+really saves for backward (torch's saved-tensor hooks)."""
+
+import pytest
+
+import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0 first: megatron imports on CPU)
+from hyper_adaptor.dryrun import ModelShape, memory, parse, predict
+from hyper_adaptor.dryrun.shape import padded_vocab
+
+# s=32, b=2, h=64, 4 heads of 16, ffn 256, 4 layers, vocab 257 -> 384 (x128), 2 micro-batches at DP 1
+MODEL = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 256 --seq-length 32 "
+         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 --lr 3e-3 "
+         "--tokenizer-type NullTokenizer --vocab-size 257 --no-bias-gelu-fusion --no-bias-dropout-fusion "
+         "--no-bias-swiglu-fusion").split()
+
+
+def run(extra="", world=1):
+    args = parse(MODEL + extra.split(), world)
+    return args, ModelShape.from_args(args)
+
+
+# one layer of MODEL: LayerNorm 2 x 64 twice; qkv 64 x 192 + 192; proj 64 x 64 + 64; fc1 64 x 256 + 256;
+# fc2 256 x 64 + 64
+LAYER = 2 * 128 + (64 * 192 + 192) + (64 * 64 + 64) + (64 * 256 + 256) + (256 * 64 + 64)
+
+
+def test_padded_vocab_is_megatrons():
+    assert padded_vocab(257, 128, 1) == 384
+    assert padded_vocab(257, 128, 2) == 512      # a multiple of 128 x TP
+    assert padded_vocab(50257, 128, 8) == 51200
+
+
+def test_parameters_per_rank_hand_counted():
+    args, shape = run()
+    # embedding 384 x 64, positions 32 x 64, 4 layers, final norm 128; tied: no output layer at PP 1
+    total = 384 * 64 + 32 * 64 + 4 * LAYER + 128
+    assert sum(shape.params_on(0).values()) == total
+    assert memory.parameters(shape, args, 0) == total * 4
+    args, shape = run("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2", 4)
+    # TP 2: vocab 512 / 2; qkv 96 columns + bias 96; proj 32 rows, whole bias 64; fc1 128 + 128; fc2 128 rows + 64
+    layer = 2 * 128 + (64 * 96 + 96) + (32 * 64 + 64) + (64 * 128 + 128) + (128 * 64 + 64)
+    first = 256 * 64 + 32 * 64 + 2 * layer
+    last = 2 * layer + 128 + 256 * 64          # tied at PP 2: the last stage holds the embedding's copy
+    assert sum(shape.params_on(0).values()) == first and sum(shape.params_on(1).values()) == first  # TP ranks
+    assert sum(shape.params_on(2).values()) == last
+    assert shape.layers_on(2) == [2, 3] and shape.rank_coords(3) == dict(tp=1, cp=0, dp=0, pp=1, etp=1, ep=0, edp=0)
+
+
+def test_experts_split_over_ep_and_etp():
+    _, shape = run("--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --expert-model-parallel-size 2 "
+                   "--disable-bias-linear", 2)
+    # 4 experts / EP 2 = 2 local, each fc1 64 x 32 and fc2 32 x 64; router 4 x 64 on every rank
+    assert shape.layer_params(0)["experts"] == 2 * (64 * 32 + 32 * 64)
+    assert shape.layer_params(0)["router"] == 4 * 64
+    assert shape.edp == 1
+
+
+def test_vpp_chunks_are_dealt_round_robin():
+    _, shape = run("--num-layers 8 --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2", 2)
+    assert shape.chunks_on(0) == [[0, 1], [4, 5]] and shape.chunks_on(1) == [[2, 3], [6, 7]]
+
+
+def test_gradients_and_optimizer_fp32():
+    args, shape = run()
+    n = sum(shape.params_on(0).values())
+    assert memory.gradients(shape, args, 0) == 4 * n            # fp32 main_grad buffer
+    assert memory.main_parameters(shape, args, 0) == 0           # fp32: the optimizer steps the parameters
+    assert memory.optimizer_state(shape, args, 0) == 8 * n       # Adam: exp_avg + exp_avg_sq, fp32
+
+
+def test_bf16_distributed_optimizer_pads_and_shards():
+    args, shape = run("--bf16 --use-distributed-optimizer", 2)
+    numels = [n for _, n in shape.tensors_on(0)]
+    padded = 0
+    for n in reversed(numels):          # each start on 64 elements, the end on lcm(DP 2, 128) = 128
+        padded = -(-padded // 64) * 64 + n
+    padded = -(-padded // 128) * 128
+    assert memory.buffer_numel(shape, args, 0, False) == padded
+    assert memory.parameters(shape, args, 0) == 2 * padded       # bf16 parameters in DDP's buffer
+    assert memory.gradients(shape, args, 0) == 4 * padded        # megatron accumulates bf16 grads in fp32
+    assert memory.main_parameters(shape, args, 0) == 4 * padded // 2   # fp32 masters, half per DP rank
+    assert memory.optimizer_state(shape, args, 0) == 8 * padded // 2
+
+
+def test_hsdp_levels_shard_what_they_say():
+    n = None
+    for level, grads_sharded, params_sharded in (("level1", False, False), ("level2", True, False),
+                                                 ("level3", True, True)):
+        args, shape = run(f"--use-hsdp --hsdp-optimizer-level {level} --global-batch-size 8", 4)
+        n = sum(shape.params_on(0).values())
+        assert memory.optimizer_state(shape, args, 0) == 8 * -(-n // 4)
+        assert memory.gradients(shape, args, 0) == 4 * n // (4 if grads_sharded else 1)
+        assert memory.parameters(shape, args, 0) == 4 * n // (4 if params_sharded else 1)
+
+
+def test_optimizer_offload_moves_state_to_host():
+    args, shape = run("--optimizer-cpu-offload --optimizer-offload-fraction 0.5 --bf16")
+    n = sum(shape.params_on(0).values())
+    assert memory.optimizer_state(shape, args, 0) == 8 * n // 2
+    assert memory.main_parameters(shape, args, 0) == 4 * n // 2
+    assert memory.host_memory(shape, args, 0, 0) == {"optimizer_state": 8 * n // 2, "main_parameters": 4 * n // 2}
+
+
+# one layer of MODEL at fp32 on cpu, per micro-batch (s=32, b=2): sbh = 4096 elements, x 4 bytes
+SBH = 32 * 2 * 64 * 4
+LAYER_ACTIVATIONS = (
+    SBH + 2 * 32 * 2 * 4          # input norm: its input, mean and rstd (fp32)
+    + SBH                          # linear_qkv's input
+    + 3 * SBH                      # q, k, v
+    + 3 * 2 * 4 * 32 * 32 * 4      # softmax output, dropout mask (fp32 on cpu), dropout output: b x a x s x s
+    + SBH + SBH                    # linear_proj's input, the residual dropout's mask
+    + SBH + 2 * 32 * 2 * 4         # pre-MLP norm
+    + SBH + 2 * 4 * SBH            # fc1's input, fc1's output and gelu's (ffn = 4h)
+    + SBH                          # the MLP's residual dropout mask
+)
+
+
+def test_layer_activations_hand_counted():
+    args, shape = run()
+    assert sum(t.nbytes for t in memory.layer_terms(shape, args)) == LAYER_ACTIVATIONS
+    args.device = "cuda"           # bool masks: 1 byte an element
+    masks = 2 * 4 * 32 * 32 + 2 * 32 * 2 * 64
+    assert sum(t.nbytes for t in memory.layer_terms(shape, args)) == LAYER_ACTIVATIONS - 3 * masks
+
+
+def test_sp_cp_and_selective_recompute_cut_activations():
+    args, shape = run("--tensor-model-parallel-size 2 --sequence-parallel", 2)
+    terms = {t.name: t.nbytes for t in memory.layer_terms(shape, args)}
+    assert terms["qkv input"] == SBH // 2 and terms["softmax output"] == 2 * 2 * 32 * 32 * 4
+    args, shape = run("--recompute-granularity selective")
+    kept = sum(t.nbytes for t in memory.recomputed(args, memory.layer_terms(shape, args)))
+    assert kept == LAYER_ACTIVATIONS - 3 * 2 * 4 * 32 * 32 * 4     # core_attn's scores are rebuilt
+
+
+def test_activations_times_inflight_micro_batches():
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8", 2)
+    # 1F1B: rank 0 keeps PP - 0 = 2 micro-batches of its 2 layers (+ the embedding's dropout mask), rank 1 one
+    assert memory.inflight(shape, args, 0) == ([2], 0) and memory.inflight(shape, args, 1) == ([1], 0)
+    assert memory.activations(shape, args, 0) == (2 * 2 * LAYER_ACTIVATIONS + 2 * SBH, 0)
+    assert memory.activations(shape, args, 1) == (2 * LAYER_ACTIVATIONS, 0)
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule gpipe", 2)
+    assert memory.inflight(shape, args, 0)[0] == [4]                # GPipe: every micro-batch
+    # full recompute, one layer a group: the inputs of 2 layers x 4 in flight, and one layer rebuilt
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule gpipe "
+                      "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 2)
+    assert memory.activations(shape, args, 1) == (4 * 2 * SBH + LAYER_ACTIVATIONS, 0)
+
+
+def test_logits_on_the_last_stage():
+    args, shape = run("--pipeline-model-parallel-size 2", 2)
+    assert memory.logits_and_loss(shape, args, 0) == 0
+    # fp32 logits s x b x 384 (kept, their gradient in place) and the final norm's output s x b x h
+    assert memory.logits_and_loss(shape, args, 1) == 32 * 2 * 384 * 4 + SBH
+
+
+def test_prediction_groups_equal_ranks_and_peak_is_the_sum():
+    prediction = predict(parse(MODEL + "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2".split(), 8))
+    groups = prediction.groups()
+    assert [g.ranks for g in groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(g.peak == sum(g.parts.values()) for g in groups) and set(groups[0].parts) == set(memory.PARTS)
+
+
+# -- against megatron's own model -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    ps.initialize_model_parallel(1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    yield
+    ps.destroy_model_parallel()
+    if own:
+        dist.destroy_process_group()
+
+
+def _megatron_gpt(args):
+    """megatron.training's own builder of the GPT a training run of ``args`` builds (TP = PP = 1)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    model = GPTModelBuilder(gpt_config_from_args(args)).build_model(
+        ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True)
+    return model.bfloat16() if args.bf16 else model
+
+
+def _part(name: str) -> str:
+    for key, part in (("word_embeddings", "embedding"), ("position_embeddings", "position_embedding"),
+                      ("output_layer", "output_layer"), (".router.", "router"), (".shared_experts.", "shared_experts"),
+                      (".experts.", "experts")):
+        if key in name:
+            return part
+    if "layernorm" in name and "self_attention" not in name:
+        return "norms"
+    return "attention" if "self_attention" in name else "mlp"
+
+
+VARIANTS = [
+    "",
+    "--swiglu --normalization RMSNorm --group-query-attention --num-query-groups 2 --disable-bias-linear "
+    "--qk-layernorm --untie-embeddings-and-output-weights --position-embedding-type rope",
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 48 "
+    "--swiglu --moe-layer-freq [1,0,1,0] --add-qkv-bias --disable-bias-linear",
+]
+
+
+@pytest.mark.parametrize("extra", VARIANTS, ids=["gpt", "llama-like", "moe"])
+def test_parameter_counts_match_megatrons_model(megatron_world, extra):
+    args, shape = run(extra)
+    model = _megatron_gpt(args)
+    counted = {}
+    for name, p in model.named_parameters():
+        counted[_part(name)] = counted.get(_part(name), 0) + p.numel()
+    assert counted == shape.params_on(0)
+
+
+@pytest.mark.parametrize("extra", ["", "--bf16 --swiglu --normalization RMSNorm --attention-dropout 0"],
+                         ids=["fp32-layernorm-gelu", "bf16-rmsnorm-swiglu"])
+def test_layer_activations_match_what_megatron_saves(megatron_world, extra):
+    """Storages megatron's second layer saves for backward (parameters and storages saved before it left out),
+    against layer_terms; without the formula's terms this fails by their size."""
+    import torch
+
+    args, shape = run(extra)
+    model = _megatron_gpt(args)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    where, saved = ["before"], {}
+    layer = model.decoder.layers[1]
+    layer.register_forward_pre_hook(lambda *_: where.__setitem__(0, "layer"))
+    layer.register_forward_hook(lambda *_: where.__setitem__(0, "after"))
+
+    def pack(t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in params and key not in saved:
+            saved[key] = (where[0], storage.nbytes())
+        return t
+
+    s, b = args.seq_length, args.micro_batch_size
+    tokens = torch.randint(0, 257, (b, s))
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril().logical_not()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, torch.arange(s).expand(b, s), mask, labels=tokens)
+    measured = sum(n for w, n in saved.values() if w == "layer")
+    assert measured == sum(t.nbytes for t in memory.layer_terms(shape, args))
