@@ -49,15 +49,20 @@ def _world_size(args) -> tuple[int | None, str]:
     return None, ""
 
 
-def _parse_megatron_flags(flags: list[str]):
+def _parse_megatron_flags(flags: list[str], prog: str = PROG, add_arguments=None):
+    """megatron.training's parser with the adaptor's flags, ``--world-size`` and what ``add_arguments``
+    (called with the parser) adds for a command; unknown flags are an argparse error."""
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = argparse.ArgumentParser(prog=PROG, allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
     add_megatron_arguments(parser)  # wrapped by the adaptor: adds --optimization-level and feature flags
-    parser.add_argument_group("describe").add_argument(
+    group = parser.add_argument_group(prog.split()[-1])
+    group.add_argument(
         "--world-size", type=_positive, default=None, metavar="N",
         help="the number of processes the checks assume (default: WORLD_SIZE, else the smallest world "
              "the model-parallel sizes allow)")
+    if add_arguments is not None:
+        add_arguments(group)
     args, unknown = parser.parse_known_args(flags)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -85,6 +90,27 @@ def _validate(adaptor, args, world: int | None, source: str) -> tuple[list[str],
     return adjustments, missing
 
 
+def check(args, prog: str = PROG):
+    """The checks of a training run on parsed ``args`` (:func:`_validate`), bad input ended as argparse ends
+    it (usage.fail, exit 2). Returns (world size given or None, where it came from, adjustments, the model
+    flags missing for megatron's checks)."""
+    from hyper_adaptor import megatron_adaptor, usage
+
+    world = None
+    try:
+        world, source = _world_size(args)
+        adjustments, missing = _validate(megatron_adaptor.ADAPTOR, args, world, source)
+    except Exception as error:
+        message = usage.explain(error)
+        if message is None:
+            raise
+        if world is None and args.world_size and any(word in message for word in _ABOUT_WORLD):
+            message += (f" [{prog} assumed a world size of {args.world_size}, the smallest the model-parallel "
+                        f"sizes allow: pass --world-size N, or set WORLD_SIZE, for your run]")
+        usage.fail(message, prog)
+    return world, source, adjustments, missing
+
+
 def describe(flags: list[str], out=None) -> int:
     """Print what would apply; returns 1 when a patch target does not resolve in this megatron-core.
     Bad input: the message on stderr and SystemExit(2), as argparse."""
@@ -95,18 +121,7 @@ def describe(flags: list[str], out=None) -> int:
     adaptor = megatron_adaptor.ADAPTOR
     args = _parse_megatron_flags(flags)
     mindspeed = mindspeed_flags.given(args)  # before the checks turn them into ours
-    world = None
-    try:
-        world, source = _world_size(args)
-        adjustments, missing = _validate(adaptor, args, world, source)
-    except Exception as error:
-        message = usage.explain(error)
-        if message is None:
-            raise
-        if world is None and args.world_size and any(word in message for word in _ABOUT_WORLD):
-            message += (f" [describe assumed a world size of {args.world_size}, the smallest the model-parallel "
-                        f"sizes allow: pass --world-size N, or set WORLD_SIZE, for your run]")
-        usage.fail(message, PROG)
+    world, source, adjustments, missing = check(args, PROG)
     level = args.optimization_level
     print(f"hyper_adaptor on {adaptor.device_type} (backend {args.distributed_backend}), {adaptor.megatron}",
           file=out)
@@ -168,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m hyper_adaptor describe [megatron and hyper_adaptor flags]\n"
+              "       python -m hyper_adaptor dry-run [megatron flags] --world-size N [--device-memory GiB] "
+              "[--device npu|cuda|cpu]\n"
               "       python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] [-- <training flags>]\n"
               "       python -m hyper_adaptor mindspeed-flags --markdown")
         return 0 if argv else 2
@@ -176,6 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         # the device choice is made at import, from --device-type if present
         sys.argv = [sys.argv[0]] + rest
         return describe(rest)
+    if command == "dry-run":
+        from hyper_adaptor.dryrun import report
+
+        sys.argv = [sys.argv[0]] + rest
+        return report.main(rest)
     if command == "checkpoint":
         from hyper_adaptor import checkpoint_cli
 
@@ -185,5 +207,5 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_adaptor import mindspeed_guide
 
         return mindspeed_guide.main(rest)
-    print(f"unknown command {command!r}; known: describe, checkpoint, mindspeed-flags", file=sys.stderr)
+    print(f"unknown command {command!r}; known: describe, dry-run, checkpoint, mindspeed-flags", file=sys.stderr)
     return 2
