@@ -134,7 +134,7 @@ def machine_id(device: str) -> str:
         if module is not None and hasattr(module, "get_device_name"):
             try:
                 text += f"; {module.get_device_name(0)}"
-            except Exception:  # noqa: BLE001  (no device: the name is not part of what can be compared)
+            except Exception:  # no device: the name is then not part of what is compared
                 pass
     return text
 
@@ -426,7 +426,8 @@ def describe(cal: Calibration) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hyper_adaptor.dryrun.calibrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hyper_adaptor.dryrun.calibrate",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
     parser.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cache")
     args = parser.parse_args(argv)

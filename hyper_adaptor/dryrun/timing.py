@@ -9,11 +9,11 @@ The model, per pipeline stage and micro-batch:
   gradients), and a recomputed layer runs its forward once more in backward. TP divides heads, MLP and vocab,
   CP the sequence, EP x ETP the experts (tokens per expert from top-k).
 - communication inside the step, per feature, with the volume of the engines' own theory (the benches' theory
-  columns, restated in :mod:`hyper_adaptor.dryrun.timing` because the benches are not part of the installed
-  package; tests/unit/test_dryrun_timing.py checks each against the bench's function): TP reductions
+  columns; tests/unit/test_dryrun_timing.py checks each against the bench's function): TP reductions
   (bench/_tp_contenders.py ``theory_tp_bytes``, ``theory_megatron_sp_regather_bytes``), CP per algorithm
   (bench/_cp_analysis.py ``theory``), EP dispatch and combine (bench/expert_parallel.py
-  ``engine_theory_bytes``), each collective timed as latency per ring step + bytes sent / calibrated rate.
+  ``engine_theory_bytes``) — restated in :mod:`hyper_adaptor.dryrun.comm_theory` — each collective timed as
+  latency per ring step + bytes sent / calibrated rate.
 - the pipeline: F / B (I / W for the zero-bubble schedules) costs of the slowest stage on the schedule's own
   action lists (``schedules.build``) through the timeline simulator (``timeline.simulate``), with the activation
   send as the cost between ranks: its makespan is compute plus bubble plus exposed point-to-point time.
@@ -32,16 +32,20 @@ import dataclasses
 import functools
 import math
 
+from hyper_adaptor.dryrun.comm_theory import (
+    TimingError,
+    cp_sent_bytes,
+    dp_sent_bytes,
+    ep_sent_bytes,
+    tp_sent_bytes,
+)
+
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
          "swap")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DDP_BUCKET_ELEMENTS = 40_000_000  # megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES_PER_PARAM = 28          # fp32: read param, grad, m, v; write param, m, v
 NEWTON_SCHULZ_STEPS = 5
-
-
-class TimingError(ValueError):
-    """A layout the step-time model cannot price (the message names the flag)."""
 
 
 @dataclasses.dataclass
@@ -104,46 +108,22 @@ class Dims:
         return layer % int(freq or 1) == 0
 
     @classmethod
-    def from_args(cls, args) -> Dims:
-        def get(name, default=None):
-            value = getattr(args, name, None)
-            return default if value is None else value
-
-        hidden, heads = int(args.hidden_size), int(args.num_attention_heads)
-        tp = int(get("tensor_model_parallel_size", 1))
-        kv_heads = int(get("num_query_groups", heads)) if get("group_query_attention", False) else heads
-        vocab = get("padded_vocab_size")
-        if vocab is None:  # megatron fills it when it builds the tokenizer: the same rounding
-            multiple = int(get("make_vocab_size_divisible_by", 128)) * tp
-            vocab = -(-int(get("vocab_size", 0)) // multiple) * multiple
-        dtype = "bfloat16" if get("bf16", False) else "float16" if get("fp16", False) else "float32"
-        fp32_grads = dtype == "float32" or get("accumulate_allreduce_grads_in_fp32", False)
-        if get("use_hsdp", False) and get("hsdp_reduce_dtype"):
-            fp32_grads = get("hsdp_reduce_dtype") in ("fp32", "float32")
-        num_experts = int(get("num_experts", 0))
-        ffn = int(get("ffn_hidden_size", 4 * hidden))
-        chunks = _model_chunks(args)
-        world = int(get("world_size", 1))
+    def from_shape(cls, shape, args=None) -> Dims:
+        """The figures of :class:`hyper_adaptor.dryrun.shape.ModelShape`, with the gradients' element size
+        (fp32 unless the parameters are 16-bit and megatron reduces them as they are)."""
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[shape.dtype]
+        fp32_grads = dtype == "float32" or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
+        if getattr(args, "use_hsdp", False) and getattr(args, "hsdp_reduce_dtype", None):
+            fp32_grads = args.hsdp_reduce_dtype in ("fp32", "float32")
         return cls(
-            hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads,
-            head_dim=int(get("kv_channels", hidden // heads)), layers=int(args.num_layers),
-            seq=int(args.seq_length), micro_batch=int(args.micro_batch_size),
-            global_batch=int(get("global_batch_size", args.micro_batch_size)), vocab=int(vocab),
-            swiglu=bool(get("swiglu", False)), num_experts=num_experts,
-            topk=int(get("moe_router_topk", 2)) if num_experts else 0,
-            moe_ffn=int(get("moe_ffn_hidden_size", ffn)) if num_experts else 0,
-            shared_ffn=int(get("moe_shared_expert_intermediate_size", 0)) if num_experts else 0,
-            moe_layer_freq=get("moe_layer_freq", 1), dtype=dtype, grad_bytes=4 if fp32_grads else 2,
-            tp=tp, pp=int(get("pipeline_model_parallel_size", 1)), chunks=chunks,
-            cp=int(get("context_parallel_size", 1)), ep=int(get("expert_model_parallel_size", 1)),
-            etp=int(get("expert_tensor_parallel_size", tp)), sp=bool(get("sequence_parallel", False)),
-            world=world)
-
-
-def _model_chunks(args) -> int:
-    from hyper_adaptor.patches.pipeline import model_chunks
-
-    return model_chunks(args)
+            hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            layers=shape.layers, seq=shape.seq, micro_batch=shape.micro_batch, global_batch=shape.global_batch,
+            vocab=shape.vocab, swiglu=shape.swiglu, num_experts=shape.num_experts, topk=shape.topk,
+            moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn,
+            moe_layer_freq=list(shape.moe_pattern) if shape.num_experts else 1, dtype=dtype,
+            grad_bytes=4 if fp32_grads else 2, tp=shape.tp, pp=shape.pp,
+            chunks=2 if shape.schedule == "zbv" else shape.vpp, cp=shape.cp, ep=shape.ep, etp=shape.etp,
+            sp=shape.sp, world=shape.world)
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -199,108 +179,6 @@ def elementwise_bytes(d: Dims, moe: bool) -> float:
     return d.elem * (14 * rows * d.hidden + 3 * t * act + 4 * t * (d.q_dim + d.kv_dim) / d.tp + 7 * probs)
 
 
-# ------------------------------------------------------------------------ the engines' communication theory
-def tp_sent_bytes(d: Dims, layers: int, first: bool, last: bool) -> dict:
-    """Bytes one rank sends for TP in one micro-batch over ``layers`` layers of a stage, forward and backward,
-    with the collectives made: bench/_tp_contenders.py ``theory_tp_bytes`` (megatron's vocab-parallel loss: no
-    gathered logits) plus ``theory_megatron_sp_regather_bytes`` under sequence parallel."""
-    out = {"forward": 0.0, "backward": 0.0, "calls_forward": 0, "calls_backward": 0}
-    if d.tp == 1:
-        return out
-    activation = d.elem * d.micro_batch * (d.seq / d.cp) * d.hidden
-    reduction = 2 * (d.tp - 1) * activation / d.tp
-    per = 2 if d.sp else 1                      # an all-reduce, or a reduce-scatter and an all-gather
-    # per layer two reductions each way (attention's and the MLP's); the embedding's forward and the output
-    # layer's backward reduction at the ends
-    out["forward"] = (2 * layers + int(first)) * reduction
-    out["backward"] = (2 * layers + int(last)) * reduction
-    out["calls_forward"] = per * (2 * layers + int(first)) + 3 * int(last)  # + the loss's [b, s] reductions
-    out["calls_backward"] = per * (2 * layers + int(last))
-    if d.sp:
-        out["backward"] += (2 * layers + int(last)) * (d.tp - 1) * activation / d.tp
-        out["calls_backward"] += 2 * layers + int(last)
-    return out
-
-
-def cp_sent_bytes(algo: str, d: Dims, ulysses_degree: int = 2) -> dict:
-    """Bytes one rank sends per layer and micro-batch for CP ``algo`` (bench/_cp_analysis.py ``theory``, at
-    this run's element size; the ring's travelling dK / dV accumulators stay fp32), with the calls made."""
-    n = d.cp
-    s, b, nh, ng, hn = d.seq / n, d.micro_batch, d.heads / d.tp, max(d.kv_heads / d.tp, 1), d.head_dim
-    zero = {"forward": 0.0, "backward": 0.0, "calls_forward": 0, "calls_backward": 0}
-    if n == 1:
-        return zero
-    q = s * b * nh * hn * d.elem
-    if algo == "ulysses":
-        kv = s * b * _kv_heads_for(ng, n) * hn * d.elem
-        each = (n - 1) * (2 * q + 2 * kv) / n
-        return {"forward": each, "backward": each, "calls_forward": 4, "calls_backward": 4}
-    if algo == "allgather":
-        kv = s * b * ng * hn * d.elem
-        return {"forward": 2 * (n - 1) * kv, "backward": 2 * (n - 1) * kv, "calls_forward": 2, "calls_backward": 2}
-    if algo == "ring":
-        u, g, ulysses_each = 1, n, 0.0
-        kv = s * b * ng * hn * d.elem
-    elif algo == "hybrid":
-        u, g = ulysses_degree, n // ulysses_degree
-        kv = s * b * _kv_heads_for(ng, u) * hn * d.elem
-        ulysses_each = (u - 1) * (2 * q + 2 * kv) / u
-    else:
-        raise TimingError(f"--context-parallel-algo: no communication model for {algo!r}")
-    kv_fp32 = kv * 4 / d.elem
-    a2a = 4 if u > 1 else 0
-    return {"forward": ulysses_each + (g - 1) * 2 * kv,
-            "backward": ulysses_each + (g - 1) * 2 * kv + g * 2 * kv_fp32,
-            "calls_forward": a2a + (g - 1), "calls_backward": a2a + 2 * g}
-
-
-def _kv_heads_for(ng: float, degree: int) -> float:
-    """KV heads a Ulysses rank holds before its split: ng repeated degree / gcd(ng, degree) times."""
-    ng_int = max(int(round(ng)), 1)
-    return ng_int * (degree // math.gcd(ng_int, degree))
-
-
-def ep_sent_bytes(d: Dims, dispatcher: str) -> tuple[float, int]:
-    """(bytes one rank sends per MoE layer and micro-batch, forward and backward, collectives). all-to-all
-    (megatron's alltoall dispatcher and hyper_adaptor's engine): bench/expert_parallel.py
-    ``engine_theory_bytes`` with evenly routed rows; megatron's allgather dispatcher gathers the tokens of the
-    expert group and reduce-scatters them back."""
-    if d.ep == 1:
-        return 0.0, 0
-    t = d.micro_batch * d.seq / d.cp
-    if dispatcher == "allgather":
-        tokens = t * d.ep * d.etp / d.tp
-        return 4 * (d.ep - 1) / d.ep * tokens * d.hidden * d.elem, 4
-    rows = t * d.topk * d.etp / d.tp * (d.ep - 1) / d.ep    # sent = received, in expectation
-    return 2 * (2 * rows) * d.hidden * d.elem + d.num_experts * 8 * (d.ep - 1) / d.ep, 5
-
-
-def dp_sent_bytes(mode: str, params: float, n: int, grad_bytes: int, param_bytes: int) -> float:
-    """Bytes one rank sends per step to reduce ``params`` gradients over ``n`` data-parallel ranks
-    (bench/_tp_contenders.py ``theory_dp_bytes``, at the run's element sizes): DDP all-reduces (2Ψ); the
-    distributed optimizer and HSDP reduce-scatter gradients and all-gather parameters (Ψ each; level 3
-    gathers parameters twice: 3Ψ, bench/_hsdp_contenders.py ``theory_comm_bytes``)."""
-    if n <= 1:
-        return 0.0
-    share = (n - 1) / n
-    if mode == "ddp":
-        return 2 * params * grad_bytes * share
-    if mode == "hsdp-level3":
-        return params * (grad_bytes + 2 * param_bytes) * share
-    return params * (grad_bytes + param_bytes) * share
-
-
-# ------------------------------------------------------------------------------------------ parameters
-def layer_params(d: Dims, moe: bool) -> tuple[float, float]:
-    """(dense, expert) parameters of one layer on one rank."""
-    up = 3 if d.swiglu else 2
-    dense = d.hidden * (d.q_dim + 2 * d.kv_dim) / d.tp + d.q_dim * d.hidden / d.tp + 4 * d.hidden
-    if not moe:
-        return dense + up * d.hidden * d.ffn / d.tp, 0.0
-    dense += d.hidden * d.num_experts + up * d.hidden * d.shared_ffn / d.tp
-    return dense, d.num_experts / d.ep * up * d.hidden * d.moe_ffn / d.etp
-
-
 # ------------------------------------------------------------------------------------------- the step
 @dataclasses.dataclass
 class StepTime:
@@ -347,10 +225,6 @@ class _Options:
     recompute_norm: int | None
     swap_modules: tuple
     swap_layers: int | None
-    first_stage_layers: int | None
-    last_stage_layers: int | None
-    learned_position: bool
-    untied: bool
 
     @classmethod
     def from_args(cls, args, d: Dims) -> _Options:
@@ -391,33 +265,7 @@ class _Options:
             recompute_num_layers=get("recompute_num_layers"), recompute_modules=modules,
             recompute_activation=(get("recompute_activation_function_num_layers") or d.layers) if activation else None,
             recompute_norm=(get("recompute_norm_num_layers") or d.layers) if norm else None,
-            swap_modules=swap, swap_layers=get("cpu_offloading_num_layers"),
-            first_stage_layers=get("num_layers_in_first_pipeline_stage"),
-            last_stage_layers=get("num_layers_in_last_pipeline_stage"),
-            learned_position=get("position_embedding_type", "learned_absolute") == "learned_absolute",
-            untied=bool(get("untie_embeddings_and_output_weights", False)))
-
-
-def stage_layers(d: Dims, o: _Options) -> list[list[int]]:
-    """Global layer indices of each pipeline stage (stage = chunk x PP + rank for the loop layouts)."""
-    stages = d.pp * d.chunks
-    counts = [d.layers // stages] * stages
-    if stages > 1 and (o.first_stage_layers or o.last_stage_layers):
-        first = o.first_stage_layers if o.first_stage_layers is not None else None
-        last = o.last_stage_layers if o.last_stage_layers is not None else None
-        middle = stages - (first is not None) - (last is not None)
-        rest = d.layers - (first or 0) - (last or 0)
-        counts = [rest // middle if middle else 0] * stages
-        if first is not None:
-            counts[0] = first
-        if last is not None:
-            counts[-1] = last
-    counts[-1] += d.layers - sum(counts)
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out
+            swap_modules=swap, swap_layers=get("cpu_offloading_num_layers"))
 
 
 def _times(cal, d: Dims, mm: dict) -> float:
@@ -543,34 +391,18 @@ def _pipeline(name: str, d: Dims, costs: dict, comm: float) -> tuple[float, floa
     return with_comm.makespan, ideal.makespan, ideal.bubble
 
 
-def _params_on_rank(d: Dims, o: _Options, stages: list[list[int]], rank: int) -> tuple[float, float, list]:
-    """(dense, expert) parameters on pipeline rank ``rank`` (every chunk of it) and its 2-D weights' shapes
-    (for Muon)."""
-    from hyper_adaptor.parallel.pipeline.actions import StageLayout
-
-    layout = StageLayout(d.pp, d.chunks, "v" if o.schedule == "zbv" else "loop")
-    dense = expert = 0.0
-    matrices = []
-    for chunk in range(d.chunks):
-        stage = layout.stage_of(rank, chunk)
-        for layer in stages[stage]:
-            moe = d.is_moe(layer)
-            a, b = layer_params(d, moe)
-            dense, expert = dense + a, expert + b
-            matrices += [(d.hidden, (d.q_dim + 2 * d.kv_dim) / d.tp, 1), (d.q_dim / d.tp, d.hidden, 1)]
-            up = 2 if d.swiglu else 1
-            if moe:
-                matrices += [(d.hidden, up * d.moe_ffn / d.etp, d.num_experts / d.ep),
-                             (d.moe_ffn / d.etp, d.hidden, d.num_experts / d.ep)]
-            else:
-                matrices += [(d.hidden, up * d.ffn / d.tp, 1), (d.ffn / d.tp, d.hidden, 1)]
-        if stage == 0:
-            dense += d.vocab * d.hidden / d.tp + (d.seq * d.hidden if o.learned_position else 0)
-        if stage == len(stages) - 1:
-            dense += 2 * d.hidden
-            if o.untied or d.pp > 1:
-                dense += d.vocab * d.hidden / d.tp
-    return dense, expert, matrices
+def _matrices(d: Dims, layers: list[int]) -> list[tuple[float, float, float]]:
+    """(rows, columns, count) of the weight matrices of ``layers`` on one rank (what Muon orthogonalises)."""
+    up = 2 if d.swiglu else 1
+    out = []
+    for layer in layers:
+        out += [(d.hidden, (d.q_dim + 2 * d.kv_dim) / d.tp, 1), (d.q_dim / d.tp, d.hidden, 1)]
+        if d.is_moe(layer):
+            out += [(d.hidden, up * d.moe_ffn / d.etp, d.num_experts / d.ep),
+                    (d.moe_ffn / d.etp, d.hidden, d.num_experts / d.ep)]
+        else:
+            out += [(d.hidden, up * d.ffn / d.tp, 1), (d.ffn / d.tp, d.hidden, 1)]
+    return out
 
 
 def _optimizer_time(cal, d: Dims, o: _Options, dense: float, expert: float, matrices: list,
@@ -594,115 +426,125 @@ def _optimizer_time(cal, d: Dims, o: _Options, dense: float, expert: float, matr
     return seconds
 
 
-def predict_time(args, calibration, dims: Dims | None = None) -> StepTime:
-    """Predicted step time of the run ``args`` describes (the namespace a training run would have) on the
-    machine ``calibration`` measured."""
-    d = dims or Dims.from_args(args)
+def _stages(shape, d: Dims) -> list[list[tuple[int, list[int]]]]:
+    """Per pipeline rank: (stage index, global layers) of each of its model chunks (ModelShape's placement)."""
+    per_stage_rank = d.world // d.pp
+    out = []
+    for r in range(d.pp):
+        chunks = shape.chunks_on(r * per_stage_rank)
+        if d.chunks == 2 and shape.schedule == "zbv":
+            stages = [r, 2 * d.pp - 1 - r]
+        else:
+            stages = [c * d.pp + r for c in range(len(chunks))]
+        out.append(list(zip(stages, chunks, strict=True)))
+    return out
+
+
+def _dp_time(cal, d: Dims, o: _Options, args, dense: float, expert: float, m: int) -> tuple[float, float]:
+    """(seconds, bytes sent) of the data-parallel reduction of one step on one rank: dense parameters over
+    DP x CP, expert parameters over the expert data-parallel group; HSDP over its shard groups (and an
+    all-reduce across their replicas), level 3 gathering the parameters again for every micro-batch."""
+    mode = o.dp_mode if o.dp_mode in ("ddp", "distopt", "hsdp-level3") else "distopt"
+    seconds = sent_total = 0.0
+    for params, group in ((dense, d.dp * d.cp), (expert, max(d.world // (d.pp * d.ep * d.etp), 1))):
+        if not params or group <= 1:
+            continue
+        shard = group
+        if o.dp_mode.startswith("hsdp") and 0 < o.dp_shard < group:
+            shard, replicas = o.dp_shard, group // o.dp_shard
+            replica = 2 * params / shard * d.grad_bytes * (replicas - 1) / replicas
+            sent_total += replica
+            seconds += cal.collective_time("all_reduce", replicas, replica)
+        sent = dp_sent_bytes(mode, params, shard, d.grad_bytes, d.elem)
+        bucket = DDP_BUCKET_ELEMENTS
+        if o.dp_mode.startswith("hsdp"):
+            bucket = max(int(float(getattr(args, "hsdp_bucket_size_kb", 25600) or 25600) * 1024 / d.grad_bytes), 1)
+        calls = max(1, math.ceil(params / bucket))
+        if mode == "ddp":
+            seconds += cal.collective_time("all_reduce", shard, sent, calls)
+        else:
+            seconds += cal.collective_time("reduce_scatter", shard, sent / 2, calls)
+            seconds += cal.collective_time("all_gather", shard, sent / 2, calls)
+        if o.dp_mode == "hsdp-level3" and m > 1:
+            gather = 2 * params * d.elem * (shard - 1) / shard
+            seconds += (m - 1) * cal.collective_time("all_gather", shard, gather, 2 * calls)
+            sent += (m - 1) * gather
+        sent_total += sent
+    return seconds, sent_total
+
+
+def predict_time(args, calibration, shape=None) -> StepTime:
+    """Predicted step time of the run ``args`` describes (the namespace :func:`hyper_adaptor.dryrun.parse`
+    returns) on the machine ``calibration`` measured (:func:`hyper_adaptor.dryrun.calibrate.get`)."""
+    from hyper_adaptor.dryrun.shape import ModelShape
+
+    shape = shape or ModelShape.from_args(args)
+    d = Dims.from_shape(shape, args)
     o = _Options.from_args(args, d)
     if d.world % (d.tp * d.pp * d.cp):
         raise TimingError(f"--world-size {d.world} is not a multiple of TP x PP x CP = {d.tp * d.pp * d.cp}")
     if d.micro_batches < 1 or d.global_batch % (d.micro_batch * d.dp):
         raise TimingError(f"--global-batch-size {d.global_batch} is not a multiple of --micro-batch-size "
                           f"{d.micro_batch} x data-parallel size {d.dp}")
-    cal = calibration
-    notes = []
-    stages = stage_layers(d, o)
-    from hyper_adaptor.parallel.pipeline.actions import StageLayout
-
-    layout = StageLayout(d.pp, d.chunks, "v" if o.schedule == "zbv" else "loop")
-    per_stage = [_stage_cost(cal, d, o, layers, s == 0, s == len(stages) - 1) for s, layers in enumerate(stages)]
-    # one figure per step type for the simulator: the slowest stage's, which paces the steady state
-    worst = {}
-    for kind in ("F", "I", "W"):
-        worst[kind] = max(per_stage, key=lambda c, kind=kind: sum(c[kind].values()))[kind]
-    split = o.schedule in ("zbh1", "zbv")
-    cost = {k: sum(v.values()) for k, v in worst.items()}
-    costs = {"F": cost["F"], "B": cost["I"] + cost["W"], "I": cost["I"], "W": cost["W"]}
-    if not split:
-        costs = {"F": cost["F"], "B": cost["I"] + cost["W"]}
+    cal, m, notes = calibration, d.micro_batches, []
+    ranks = _stages(shape, d)
+    last_stage = d.pp * d.chunks - 1
+    cost = {stage: _stage_cost(cal, d, o, layers, stage == 0, stage == last_stage)
+            for chunks in ranks for stage, layers in chunks}
+    # one cost per step type for the simulator: the slowest stage's, which paces the steady state
+    step = {k: max(sum(c[k].values()) for c in cost.values()) for k in "FIW"}
+    costs = {"F": step["F"], "B": step["I"] + step["W"]}
+    if o.schedule in ("zbh1", "zbv"):
+        costs.update(I=step["I"], W=step["W"])
     # an activation crossing a stage boundary: [s / CP (/ TP with SP), b, h]
     boundary = d.micro_batch * d.seq / d.cp / (d.tp if d.sp else 1) * d.hidden * d.elem
     p2p = cal.collective_time("send_recv", 2, boundary) if d.pp > 1 else 0.0
     makespan, ideal, bubble_fraction = _pipeline(o.schedule, d, costs, p2p)
-    m = d.micro_batches
-    # a rank runs `chunks` stages: its busy time is m x (its stages' costs); the busiest rank's
-    by_rank = []
-    for rank in range(d.pp):
-        chunks = [per_stage[layout.stage_of(rank, c)] for c in range(d.chunks)]
-        by_rank.append(chunks)
-    busiest_rank = max(range(d.pp), key=lambda r: sum(sum(c[k].values()) for c in by_rank[r] for k in "FIW"))
-    busiest = by_rank[busiest_rank]
+    # the busiest pipeline rank (all its chunks) is the one the parts describe
+    busy = [sum(sum(cost[s][k].values()) for s, _ in chunks for k in "FIW") for chunks in ranks]
+    rank = max(range(d.pp), key=busy.__getitem__)
     parts = dict.fromkeys(PARTS, 0.0)
-    for c in busiest:
-        for kind in ("F", "I", "W"):
-            for name, value in c[kind].items():
+    for stage, _ in ranks[rank]:
+        for k in "FIW":
+            for name, value in cost[stage][k].items():
                 parts[name] += m * value
-    busy = sum(parts.values())
-    # stages other than the slowest wait for it: the simulator's makespan with the slowest stage's costs on
-    # every stage is the step, what the busiest rank does not fill of it is bubble
     parts["pp_comm"] = max(makespan - ideal, 0.0)
-    parts["bubble"] = max(ideal - busy, 0.0)
-    flop = sum(c["flops"] for c in busiest) * m
+    parts["bubble"] = max(ideal - m * busy[rank], 0.0)
+    flop = m * sum(cost[s]["flops"] for s, _ in ranks[rank])
 
-    dense, expert, matrices = _params_on_rank(d, o, stages, busiest_rank)
-    dense_group = d.dp * d.cp
-    expert_group = max(d.world // (d.pp * d.ep * d.etp), 1)
-    mode = o.dp_mode if o.dp_mode in ("ddp", "distopt", "hsdp-level3") else "distopt"
-    dp_bytes = 0.0
-    dp_time = 0.0
-    for params, group, op_group in ((dense, dense_group, "dense"), (expert, expert_group, "expert")):
-        if not params or group <= 1:
-            continue
-        shard = group
-        if o.dp_mode.startswith("hsdp") and 0 < o.dp_shard < group:
-            shard = o.dp_shard
-            replicas = group // shard
-            replica = 2 * params / shard * d.grad_bytes * (replicas - 1) / replicas
-            dp_bytes += replica
-            dp_time += cal.collective_time("all_reduce", replicas, replica)
-        sent = dp_sent_bytes(mode, params, shard, d.grad_bytes, d.elem)
-        bucket = DDP_BUCKET_ELEMENTS
-        if o.dp_mode.startswith("hsdp"):
-            bucket = max(int(getattr(args, "hsdp_bucket_size_kb", 25600) * 1024 / d.grad_bytes), 1)
-        calls = max(1, math.ceil(params / bucket))
-        if mode == "ddp":
-            dp_time += cal.collective_time("all_reduce", shard, sent, calls)
-        else:
-            dp_time += cal.collective_time("reduce_scatter", shard, sent / 2, calls)
-            dp_time += cal.collective_time("all_gather", shard, sent / 2, calls)
-        if o.dp_mode == "hsdp-level3":
-            # parameters gathered again for every micro-batch's forward and backward
-            gather = 2 * params * d.elem * (shard - 1) / shard
-            dp_time += (m - 1) * cal.collective_time("all_gather", shard, gather, 2 * calls)
-            sent += (m - 1) * gather
-        dp_bytes += sent
+    first_rank = rank * (d.world // d.pp)
+    params = shape.params_on(first_rank)
+    expert = float(shape.expert_params_on(first_rank))
+    dense = float(sum(params.values())) - expert
+    dp_time, dp_bytes = _dp_time(cal, d, o, args, dense, expert, m)
     if o.overlap_dp and dp_time:
-        hidden = m and sum(sum(c[k].values()) for c in busiest for k in ("I", "W"))
+        # buckets reduce while the last micro-batch's backward still runs
+        hidden = sum(sum(cost[s][k].values()) for s, _ in ranks[rank] for k in "IW")
         exposed = max(dp_time - hidden, 0.0)
         notes.append(f"data-parallel reduction overlapped with the last backward: {exposed / dp_time:.0%} exposed")
         dp_time = exposed
     parts["dp_comm"] = dp_time
     shards = (1, 1)
     if o.dp_mode != "ddp":
-        shards = (dense_group, expert_group) if o.dp_shard <= 0 or not o.dp_mode.startswith("hsdp") else (
-            min(o.dp_shard, dense_group), min(o.dp_shard, expert_group))
-    parts["optimizer"] = _optimizer_time(cal, d, o, dense, expert, matrices, shards)
+        shards = (d.dp * d.cp, max(d.world // (d.pp * d.ep * d.etp), 1))
+        if o.dp_mode.startswith("hsdp") and o.dp_shard > 0:
+            shards = tuple(min(o.dp_shard, n) for n in shards)
+    layers = [layer for _, chunk in ranks[rank] for layer in chunk]
+    parts["optimizer"] = _optimizer_time(cal, d, o, dense, expert, _matrices(d, layers), shards)
 
     stretch = 1.0
     if cal.device == "cpu":
-        # every rank is a process of this machine, with one thread each: more ranks than cores share them
+        # every rank is a process of this machine with one thread: more ranks than cores share them
         stretch = max(1.0, d.world / max(cal.cores, 1))
         if stretch > 1:
             notes.append(f"{d.world} ranks on {cal.cores} cores: every figure x {stretch:g}")
     parts = {k: v * stretch for k, v in parts.items()}
-    comm_bytes = {"tp": m * sum(c["tp_bytes"] for c in busiest), "dp": dp_bytes}
+    comm_bytes = {"tp": m * sum(cost[s]["tp_bytes"] for s, _ in ranks[rank]), "dp": dp_bytes}
     if d.cp > 1:
         cp = cp_sent_bytes(o.cp_algo, d, o.ulysses_degree)
-        comm_bytes["cp"] = m * (cp["forward"] + cp["backward"]) * sum(len(stages[layout.stage_of(r, c)])
-                                                                       for r in [0] for c in range(d.chunks))
+        comm_bytes["cp"] = m * len(layers) * (cp["forward"] + cp["backward"])
     if d.ep > 1:
-        moe_layers = sum(d.is_moe(layer) for s in stages for layer in s) / d.pp
-        comm_bytes["ep"] = m * moe_layers * ep_sent_bytes(d, o.dispatcher)[0]
+        comm_bytes["ep"] = m * sum(d.is_moe(layer) for layer in layers) * ep_sent_bytes(d, o.dispatcher)[0]
     return StepTime(total=sum(parts.values()), parts=parts, micro_batches=m,
                     schedule=o.schedule if d.pp > 1 else "none (one stage)", bubble_fraction=bubble_fraction,
                     flops_per_rank=flop, comm_bytes=comm_bytes,
@@ -710,4 +552,4 @@ def predict_time(args, calibration, dims: Dims | None = None) -> StepTime:
 
 
 __all__ = ["PARTS", "Dims", "StepTime", "TimingError", "predict_time", "layer_matmuls", "layer_flops",
-           "tp_sent_bytes", "cp_sent_bytes", "ep_sent_bytes", "dp_sent_bytes", "stage_layers"]
+           "tp_sent_bytes", "cp_sent_bytes", "ep_sent_bytes", "dp_sent_bytes"]

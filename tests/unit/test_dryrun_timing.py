@@ -31,11 +31,21 @@ def fake_calibration(**changes) -> calibrate.Calibration:
 
 
 def namespace(**flags) -> argparse.Namespace:
-    """The attributes of megatron's namespace the model reads, for SMALL at one rank."""
+    """The attributes of megatron's namespace the dry-run reads, for SMALL at one rank (no biases, tied)."""
     base = dict(hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=16, num_layers=4,
-                seq_length=32, micro_batch_size=2, global_batch_size=8, padded_vocab_size=128, world_size=1,
-                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1)
+                seq_length=32, max_position_embeddings=32, micro_batch_size=2, global_batch_size=8,
+                padded_vocab_size=128, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                virtual_pipeline_model_parallel_size=None, group_query_attention=False, num_query_groups=None,
+                num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
+                moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False, swiglu=False,
+                normalization="LayerNorm", untie_embeddings_and_output_weights=False,
+                position_embedding_type="learned_absolute", add_bias_linear=False, add_qkv_bias=False,
+                qk_layernorm=False, bf16=False, fp16=False, sequence_parallel=False)
     base.update(flags)
+    base["data_parallel_size"] = base["world_size"] // (base["tensor_model_parallel_size"]
+                                                        * base["pipeline_model_parallel_size"]
+                                                        * base["context_parallel_size"])
     return argparse.Namespace(**base)
 
 
@@ -188,6 +198,18 @@ def test_dp_volume_is_the_dp_bench_theory():
     assert timing.dp_sent_bytes("hsdp-level3", psi, n, 4, 4) == theory_dp_bytes("hsdp-level3", psi, n)
     assert timing.dp_sent_bytes("distopt", psi, n, 4, 4) == theory_comm_bytes("zero2", psi) * (n - 1) / n
     assert timing.dp_sent_bytes("ddp", psi, 1, 4, 4) == 0
+
+
+def test_dp_volume_counts_the_ranks_parameters():
+    # per layer QKV 64 x 192, projection 64 x 64, two norms (weight, bias), MLP 2 x 64 x 256: 49,408;
+    # 4 layers + word (128 x 64) and position (32 x 64) embeddings + final norm (the output layer is tied)
+    psi = 4 * (64 * 192 + 64 * 64 + 4 * 64 + 2 * 64 * 256) + 128 * 64 + 32 * 64 + 2 * 64
+    assert psi == 208_000
+    step = timing.predict_time(namespace(world_size=2), fake_calibration())
+    assert step.comm_bytes["dp"] == 2 * psi * 4 * (2 - 1) / 2
+    distopt = timing.predict_time(namespace(world_size=2, use_distributed_optimizer=True), fake_calibration())
+    assert distopt.comm_bytes["dp"] == step.comm_bytes["dp"]  # reduce-scatter + all-gather: the same volume
+    assert distopt.parts["optimizer"] == pytest.approx(step.parts["optimizer"] / 2)  # half the state per rank
 
 
 # ------------------------------------------------------------------------------------------ calibration
