@@ -180,12 +180,49 @@ def load(device: str, path: Path | None = None) -> Calibration | None:
     return cal if cal.device == device and matches_here(cal) else None
 
 
-def get(device: str = "cpu", recalibrate: bool = False, path: Path | None = None) -> Calibration:
-    """This machine's calibration of ``device``: the cache, or a measurement written to the cache."""
+# Figures of one current accelerator of each kind, for planning a cluster from a machine without one (the
+# planner's tables at cluster scale): matmul rate by size, HBM bandwidth, a layer's fixed launch cost and one
+# link for every collective. Assumed, not measured: a calibration made on the device replaces them.
+NOMINAL = {
+    "cuda": {"matmul": {"bfloat16": [[64, 1e12], [256, 4e13], [1024, 3e14], [4096, 6e14], [8192, 6.5e14]],
+                        "float32": [[64, 5e11], [256, 1e13], [1024, 4e13], [4096, 5e13], [8192, 5e13]]},
+             "memory": 2.5e12, "layer": 6e-4, "link": (1.5e-5, 5e10)},
+    "npu": {"matmul": {"bfloat16": [[64, 5e11], [256, 2e13], [1024, 1.5e14], [4096, 2.8e14], [8192, 3e14]],
+                       "float32": [[64, 2.5e11], [256, 5e12], [1024, 2e13], [4096, 4e13], [8192, 4e13]]},
+            "memory": 1.5e12, "layer": 1e-3, "link": (2e-5, 3e10)},
+}
+
+
+def nominal(device: str) -> Calibration:
+    """Assumed figures of a ``device`` (cuda / npu) this machine does not have (``collective_source`` says so)."""
+    if _check_device(device) not in NOMINAL:
+        raise CalibrationError(f"--device {device}: no nominal figures; calibrate on the machine")
+    import torch
+
+    spec = NOMINAL[device]
+    latency, rate = spec["link"]
+    return Calibration(
+        device=device, host=socket.gethostname(), machine=f"nominal {device} (not measured)",
+        torch_version=torch.__version__, threads=1, cores=_cores(),
+        matmul={k: [list(map(float, row)) for row in v] for k, v in spec["matmul"].items()},
+        memory_bytes_per_s=spec["memory"], layer_overhead_s=spec["layer"],
+        collectives={op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES},
+        collective_source="assumed (nominal figures: no such device on this machine)")
+
+
+def get(device: str = "cpu", recalibrate: bool = False, path: Path | None = None,
+        allow_nominal: bool = False) -> Calibration:
+    """This machine's calibration of ``device``: the cache, or a measurement written to the cache.
+    ``allow_nominal``: where this machine has no such device, :func:`nominal`'s assumed figures (not cached)."""
     _check_device(device)
     cal = None if recalibrate else load(device, path)
     if cal is None:
-        cal = measure(device)
+        try:
+            cal = measure(device)
+        except CalibrationError:
+            if allow_nominal and device in NOMINAL:
+                return nominal(device)
+            raise
         save(cal, path)
     return cal
 

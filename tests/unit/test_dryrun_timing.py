@@ -259,3 +259,15 @@ def test_unknown_or_absent_device_is_an_error():
     if not torch.cuda.is_available():
         with pytest.raises(calibrate.CalibrationError, match="--device cuda: this machine has no usable cuda"):
             calibrate.measure("cuda")
+
+
+def test_nominal_figures_for_an_absent_accelerator():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda is measured, not assumed")
+    cal = calibrate.get("cuda", allow_nominal=True)
+    assert cal.collective_source.startswith("assumed") and "nominal" in cal.machine
+    # a bf16 GPT priced on the nominal GPU
+    args = namespace(bf16=True, world_size=2, tensor_model_parallel_size=2)
+    assert 0 < timing.predict_time(args, cal).total
