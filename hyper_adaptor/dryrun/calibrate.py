@@ -58,6 +58,10 @@ class Calibration:
     layer_overhead_s: float
     collectives: dict[str, dict[str, float]]
     collective_source: str = "measured"
+    # megatron's own fixed costs on this machine (seconds): a layer's forward and backward per micro-batch, a
+    # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
+    # measured (the small torch layer above stands in for a layer then)
+    framework: dict[str, float] = dataclasses.field(default_factory=dict)
     created: str = ""
     seconds: float = 0.0
     format: int = FORMAT
@@ -353,6 +357,90 @@ def _exchange(dist, rank, buf, recv):
         req.wait()
 
 
+def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
+    """megatron-core's fixed costs, from one-rank GPT training steps so small that their arithmetic is
+    negligible: steps of (layers, micro-batches) = (1, 1), (3, 1), (1, 3) give a layer per micro-batch, a
+    micro-batch and a step by differences. The model is built as bench/_gpt_step.py builds it (local spec, DDP,
+    megatron's Adam)."""
+    import logging
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from hyper_adaptor.testing.gpt import forward_step
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    # the calibration prints its figures, not megatron's build log
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    hidden, heads, seq, vocab, micro_batch = 16, 2, 16, 64, 1
+    position_ids = torch.arange(seq).unsqueeze(0)
+    tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids,
+             "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5}
+
+    def step_time(layers: int, micro: int) -> float:
+        config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                   ffn_hidden_size=4 * hidden, use_cpu_initialization=True,
+                                   pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                                   bias_activation_fusion=False, bias_dropout_fusion=False,
+                                   masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                                   persist_layer_norm=False)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                         max_sequence_length=seq)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0,
+                                                           params_dtype=torch.float32), [ddp])
+        config.finalize_model_grads_func = finalize_model_grads
+
+        def one():
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch] * micro),
+                                        model=ddp, num_microbatches=micro, seq_length=seq,
+                                        micro_batch_size=micro_batch, forward_only=False)
+            optimizer.step()
+
+        one()
+        return min(_timed(one) for _ in range(reps))
+
+    base, layers3, micro3 = step_time(1, 1), step_time(3, 1), step_time(1, 3)
+    layer = max((layers3 - base) / 2, 0.0)
+    micro = max((micro3 - base) / 2 - layer, 0.0)
+    return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _framework() -> dict:
+    from hyper_adaptor.testing.world import WorldError, run_world
+
+    try:
+        return run_world(1, "hyper_adaptor.dryrun.calibrate:_framework_rank", timeout=180, reps=7)[0]
+    except WorldError:
+        return {}
+
+
 def _sent_fraction(op: str, group: int) -> float:
     """Bytes one rank sends per byte of the collective's (full) buffer."""
     if op == "all_reduce":
@@ -437,16 +525,19 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
+    framework = {}
     if quick:
         latency, rate = ASSUMED_LINK[device]
         collectives = {op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES}
         source = "assumed (quick calibration)"
     else:
         collectives, source = _collectives(device)
+        if device == "cpu":
+            framework = _framework()
     return Calibration(
         device=device, host=socket.gethostname(), machine=machine_id(device), torch_version=torch.__version__,
         threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory,
-        layer_overhead_s=overhead, collectives=collectives, collective_source=source,
+        layer_overhead_s=overhead, collectives=collectives, collective_source=source, framework=framework,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - start)
 
 
@@ -457,8 +548,12 @@ def describe(cal: Calibration) -> str:
         lines.append(f"  matmul {dtype}: " + ", ".join(f"n={int(s)} {r / 1e9:.1f} GFLOP/s" for s, r in table))
     lines.append(f"  memory bandwidth {cal.memory_bytes_per_s / 1e9:.2f} GB/s; "
                  f"small layer forward+backward {cal.layer_overhead_s * 1e3:.2f} ms")
+    if cal.framework:
+        lines.append("  megatron-core fixed costs: "
+                     + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cal.framework.items()))
     lines.append(f"  collectives ({cal.collective_source}): " + "; ".join(
-        f"{op} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s" for op, c in cal.collectives.items()))
+        f"{op} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
+        for op, c in cal.collectives.items()))
     return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@ The model, per pipeline stage and micro-batch:
 - compute: each layer's matmuls (QKV, attention scores and values, projection, MLP or routed experts, the
   logits on the last stage) timed at the calibrated throughput *for their size*, plus elementwise traffic
   (norms, residuals, dropout, softmax, activation) at the calibrated memory bandwidth, plus the calibrated
-  fixed cost of a layer (operator dispatch); backward costs twice the forward matmuls (input and weight
-  gradients), and a recomputed layer runs its forward once more in backward. TP divides heads, MLP and vocab,
+  fixed cost of a megatron layer, micro-batch and step (operator dispatch, bookkeeping); backward costs twice
+  the forward matmuls (input and weight gradients), and a recomputed layer runs its forward once more in
+  backward. TP divides heads, MLP and vocab,
   CP the sequence, EP x ETP the experts (tokens per expert from top-k).
 - communication inside the step, per feature, with the volume of the engines' own theory (the benches' theory
   columns; tests/unit/test_dryrun_timing.py checks each against the bench's function): TP reductions
@@ -41,7 +42,7 @@ from hyper_adaptor.dryrun.comm_theory import (
 )
 
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
-         "swap")
+         "swap", "framework")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DDP_BUCKET_ELEMENTS = 40_000_000  # megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES_PER_PARAM = 28          # fp32: read param, grad, m, v; write param, m, v
@@ -185,8 +186,8 @@ class StepTime:
     """Predicted seconds of one training step on the slowest rank. ``parts`` (keys PARTS) sum to ``total``:
     compute (matmuls, elementwise, per-layer dispatch), recompute (the forward run again in backward),
     tp/cp/ep/pp communication inside the step, the pipeline bubble, the data-parallel reduction left exposed,
-    the optimizer step, and swap copies. ``costs``: seconds per micro-batch of the F / B / I / W steps the
-    pipeline simulation used."""
+    the optimizer step, swap copies, and megatron's fixed cost per step (framework). ``costs``: seconds per
+    micro-batch of the F / B / I / W steps the pipeline simulation used."""
 
     total: float
     parts: dict[str, float]
@@ -296,7 +297,7 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
         core = _times(cal, d, {k: mm[k] for k in attention_core})
         linear = _times(cal, d, {k: v for k, v in mm.items() if k not in attention_core})
         elem = elementwise_bytes(d, moe) / bw
-        overhead = cal.layer_overhead_s
+        overhead = cal.framework.get("layer_s", cal.layer_overhead_s)
         flop += 3 * sum(flops(mm).values())
         f["compute"] += core + linear + elem + overhead / 3
         i["compute"] += 2 * core + linear + 2 * elem + overhead / 3
@@ -346,11 +347,11 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
         # the loss: softmax over the vocabulary shard, read and written a few times each way
         loss = 6 * d.micro_batch * d.seq / d.cp * d.vocab / d.tp * 4 / bw
         f["compute"] += logits + loss
-        i["compute"] += logits + loss
+        i["compute"] += logits + loss + cal.framework.get("micro_batch_s", 0.0) / 2
         w["compute"] += logits
         flop += 3 * sum(flops(mm).values())
     if first:
-        f["compute"] += cal.layer_overhead_s / 6  # the embedding lookup: a few operators
+        f["compute"] += cal.framework.get("micro_batch_s", 0.0) / 2  # embedding, the schedule's bookkeeping
         w["compute"] += 2 * d.micro_batch * d.seq / d.cp * d.hidden * d.elem / bw
     return {"F": f, "I": i, "W": w, "flops": flop,
             "tp_bytes": tp["forward"] + tp["backward"]}
@@ -531,6 +532,7 @@ def predict_time(args, calibration, shape=None) -> StepTime:
             shards = tuple(min(o.dp_shard, n) for n in shards)
     layers = [layer for _, chunk in ranks[rank] for layer in chunk]
     parts["optimizer"] = _optimizer_time(cal, d, o, dense, expert, _matrices(d, layers), shards)
+    parts["framework"] = cal.framework.get("step_s", 0.0)
 
     stretch = 1.0
     if cal.device == "cpu":
