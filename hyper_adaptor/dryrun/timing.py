@@ -524,6 +524,11 @@ def predict_time(args, calibration, shape=None) -> StepTime:
         exposed = max(dp_time - hidden, 0.0)
         notes.append(f"data-parallel reduction overlapped with the last backward: {exposed / dp_time:.0%} exposed")
         dp_time = exposed
+    if d.pp > 1 and not shape.untied and (rank == 0 or rank == d.pp - 1):
+        # the tied word embedding's gradient, all-reduced between the first and the last stage
+        tied = 2 * d.vocab * d.hidden / d.tp * d.grad_bytes / 2
+        dp_time += cal.collective_time("all_reduce", 2, tied)
+        dp_bytes += tied
     parts["dp_comm"] = dp_time
     shards = (1, 1)
     if o.dp_mode != "ddp":

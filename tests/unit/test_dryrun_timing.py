@@ -94,6 +94,15 @@ def test_step_flops_count_forward_backward_and_recompute():
     assert sum(step.parts.values()) == pytest.approx(step.total)
 
 
+def test_framework_fixed_costs_per_layer_micro_batch_and_step():
+    plain = timing.predict_time(namespace(), fake_calibration())
+    fixed = timing.predict_time(namespace(), fake_calibration(
+        framework={"layer_s": 1e-3, "micro_batch_s": 2e-3, "step_s": 5e-3}))
+    m, layers = 4, 4
+    assert fixed.total - plain.total == pytest.approx(m * layers * 1e-3 + m * 2e-3 + 5e-3)
+    assert fixed.parts["framework"] == 5e-3
+
+
 # ----------------------------------------------------------------------------------------------- bubble
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
 def test_1f1b_bubble_is_textbook_through_the_simulator(p, m):
