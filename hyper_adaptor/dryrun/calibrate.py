@@ -186,14 +186,14 @@ def load(device: str, path: Path | None = None) -> Calibration | None:
 
 # Figures of one current accelerator of each kind, for planning a cluster from a machine without one (the
 # planner's tables at cluster scale): matmul rate by size, HBM bandwidth, a layer's fixed launch cost and one
-# link for every collective. Assumed, not measured: a calibration made on the device replaces them.
+# link, an intra-node one, for every collective. Assumed, not measured: a calibration on the device replaces them.
 NOMINAL = {
     "cuda": {"matmul": {"bfloat16": [[64, 1e12], [256, 4e13], [1024, 3e14], [4096, 6e14], [8192, 6.5e14]],
                         "float32": [[64, 5e11], [256, 1e13], [1024, 4e13], [4096, 5e13], [8192, 5e13]]},
-             "memory": 2.5e12, "layer": 6e-4, "link": (1.5e-5, 5e10)},
+             "memory": 2.5e12, "layer": 6e-4, "link": (1e-5, 2e11)},
     "npu": {"matmul": {"bfloat16": [[64, 5e11], [256, 2e13], [1024, 1.5e14], [4096, 2.8e14], [8192, 3e14]],
                        "float32": [[64, 2.5e11], [256, 5e12], [1024, 2e13], [4096, 4e13], [8192, 4e13]]},
-            "memory": 1.5e12, "layer": 1e-3, "link": (2e-5, 3e10)},
+            "memory": 1.5e12, "layer": 1e-3, "link": (2e-5, 1e11)},
 }
 
 

@@ -379,17 +379,30 @@ def _schedule(name: str, pp: int, micro: int, chunks: int):
 
 
 def _pipeline(name: str, d: Dims, costs: dict, comm: float) -> tuple[float, float, float]:
-    """(makespan, makespan without the point-to-point time, bubble fraction) of ``name`` on the simulator."""
+    """(makespan, makespan without the point-to-point time, bubble fraction) of ``name`` on the simulator.
+
+    Past 3 x PP micro-batches the lists are simulated at a count with the same remainder modulo PP and one
+    PP more, and the makespan extended by their difference per PP micro-batches: the steady phase adds the
+    same time per micro-batch, and a planner's thousand micro-batches need no thousand-step lists."""
     from hyper_adaptor.parallel.pipeline.timeline import simulate
 
-    m = d.micro_batches
-    if d.pp == 1:
-        busy = m * (costs["F"] + costs["B"])
-        return busy, busy, 0.0
-    layout, lists = _schedule(name, d.pp, m, d.chunks)
-    with_comm = simulate(lists, layout, costs, comm)
-    ideal = simulate(lists, layout, costs, 0.0)
-    return with_comm.makespan, ideal.makespan, ideal.bubble
+    m, p = d.micro_batches, d.pp
+    per_micro = d.chunks * (costs["F"] + (costs["I"] + costs["W"] if "I" in costs else costs["B"]))
+    if p == 1:
+        return m * per_micro, m * per_micro, 0.0
+
+    def spans(micro: int) -> tuple[float, float]:
+        layout, lists = _schedule(name, p, micro, d.chunks)
+        return simulate(lists, layout, costs, comm).makespan, simulate(lists, layout, costs, 0.0).makespan
+
+    if m <= 3 * p:
+        with_comm, ideal = spans(m)
+    else:
+        base = 2 * p + (m - 2 * p) % p
+        (c0, i0), (c1, i1) = spans(base), spans(base + p)
+        steps = (m - base) / p
+        with_comm, ideal = c0 + steps * (c1 - c0), i0 + steps * (i1 - i0)
+    return with_comm, ideal, max(1.0 - m * per_micro / ideal, 0.0) if ideal else 0.0
 
 
 def _matrices(d: Dims, layers: list[int]) -> list[tuple[float, float, float]]:
@@ -492,8 +505,11 @@ def predict_time(args, calibration, shape=None) -> StepTime:
     last_stage = d.pp * d.chunks - 1
     cost = {stage: _stage_cost(cal, d, o, layers, stage == 0, stage == last_stage)
             for chunks in ranks for stage, layers in chunks}
-    # one cost per step type for the simulator: the slowest stage's, which paces the steady state
-    step = {k: max(sum(c[k].values()) for c in cost.values()) for k in "FIW"}
+    # one cost per step type for the simulator, the same on every stage: the busiest pipeline rank's, per
+    # model chunk (the simulator knows no stage of its own cost; the busiest rank paces the steady state)
+    busy = [sum(sum(cost[s][k].values()) for s, _ in chunks for k in "FIW") for chunks in ranks]
+    rank = max(range(d.pp), key=busy.__getitem__)
+    step = {k: sum(sum(cost[s][k].values()) for s, _ in ranks[rank]) / d.chunks for k in "FIW"}
     costs = {"F": step["F"], "B": step["I"] + step["W"]}
     if o.schedule in ("zbh1", "zbv"):
         costs.update(I=step["I"], W=step["W"])
@@ -501,9 +517,6 @@ def predict_time(args, calibration, shape=None) -> StepTime:
     boundary = d.micro_batch * d.seq / d.cp / (d.tp if d.sp else 1) * d.hidden * d.elem
     p2p = cal.collective_time("send_recv", 2, boundary) if d.pp > 1 else 0.0
     makespan, ideal, bubble_fraction = _pipeline(o.schedule, d, costs, p2p)
-    # the busiest pipeline rank (all its chunks) is the one the parts describe
-    busy = [sum(sum(cost[s][k].values()) for s, _ in chunks for k in "FIW") for chunks in ranks]
-    rank = max(range(d.pp), key=busy.__getitem__)
     parts = dict.fromkeys(PARTS, 0.0)
     for stage, _ in ranks[rank]:
         for k in "FIW":
