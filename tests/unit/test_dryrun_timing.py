@@ -120,6 +120,21 @@ def test_1f1b_bubble_is_textbook_through_the_simulator(p, m):
                                                                                           + step.parts["pp_comm"])
 
 
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("zbv", 2)])
+def test_many_micro_batches_extend_the_steady_state(name, chunks):
+    from hyper_adaptor.parallel.pipeline.schedules import build
+    from hyper_adaptor.parallel.pipeline.timeline import simulate
+
+    p, m = 4, 22  # past 3 x PP: simulated at 10 and 14 micro-batches, extended to 22
+    d = Dims(**{**SMALL, "layers": 8, "global_batch": 2 * m}, pp=p, chunks=chunks, world=p)
+    costs = {"F": 1.0, "B": 2.5} if name in ("1f1b", "interleaved") else {"F": 1.0, "B": 2.5, "I": 1.5, "W": 1.0}
+    makespan, ideal, bubble = timing._pipeline(name, d, costs, 0.25)
+    layout, lists = build(name, p, m, chunks if chunks > 1 else None)
+    assert makespan == pytest.approx(simulate(lists, layout, costs, 0.25).makespan, rel=0.01)
+    direct = simulate(lists, layout, costs, 0.0)
+    assert ideal == pytest.approx(direct.makespan, rel=0.01) and bubble == pytest.approx(direct.bubble, abs=0.01)
+
+
 def test_zero_bubble_schedule_beats_1f1b():
     flags = dict(pipeline_model_parallel_size=4, world_size=4, global_batch_size=16)
     cal = fake_calibration(layer_overhead_s=1e-3)
