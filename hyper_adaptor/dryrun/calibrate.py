@@ -320,12 +320,11 @@ def _collective_rank(rank: int, world_size: int, device: str, sizes: list[int], 
     dist.init_process_group(platform.distributed_backend(device), rank=rank, world_size=world_size)
     dev = torch.device(device, rank) if device != "cpu" else torch.device("cpu")
     clock = _timer(device)
-    out: dict[str, list] = {op: [] for op in COLLECTIVES}
+    out: dict[str, list | None] = {op: [] for op in COLLECTIVES}
     for nbytes in sizes:
         n = max(nbytes // 4, world_size)
         n -= n % world_size
         buf = torch.ones(n, device=dev)
-        parts = list(buf.chunk(world_size))
         shard = torch.empty(n // world_size, device=dev)
         recv = torch.empty_like(buf)
         ops = {
@@ -335,10 +334,16 @@ def _collective_rank(rank: int, world_size: int, device: str, sizes: list[int], 
             "all_to_all": lambda buf=buf, recv=recv: dist.all_to_all_single(recv, buf),
             "send_recv": lambda buf=buf, recv=recv: _exchange(dist, rank, buf, recv),
         }
-        del parts
         for op, fn in ops.items():
+            if out[op] is None:
+                continue
             dist.barrier()
-            fn()
+            try:
+                fn()
+            except (RuntimeError, NotImplementedError):
+                # a backend without this collective (both ranks fail alike): priced as the all-gather
+                out[op] = None
+                continue
             best = float("inf")
             for _ in range(reps):
                 dist.barrier()
@@ -478,11 +483,18 @@ def _collectives(device: str) -> tuple[dict, str]:
         first = str(err).splitlines()[0]
         return ({op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES},
                 f"assumed (the 2-rank world failed: {first})")
-    table = {}
+    table, missing = {}, []
     for op in COLLECTIVES:
+        if results[0][op] is None:
+            missing.append(op)
+            continue
         # the slower rank's time is the collective's
         points = [(nbytes, max(r[op][i][1] for r in results)) for i, (nbytes, _) in enumerate(results[0][op])]
         table[op] = _fit(points, op)
+    for op in missing:
+        table[op] = dict(table.get("all_gather") or table["all_reduce"])
+    if missing:
+        return table, f"measured ({', '.join(missing)} not served by the backend: priced as all_gather)"
     return table, "measured"
 
 
