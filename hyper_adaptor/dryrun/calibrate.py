@@ -62,6 +62,9 @@ class Calibration:
     # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
     # measured (the small torch layer above stands in for a layer then)
     framework: dict[str, float] = dataclasses.field(default_factory=dict)
+    # a CPU with few cores: a small all-reduce's median time on a world of twice as many ranks as cores, where
+    # a blocking collective waits for its partners to be scheduled ({"ranks", "latency_s"}; empty otherwise)
+    oversubscribed: dict[str, float] = dataclasses.field(default_factory=dict)
     created: str = ""
     seconds: float = 0.0
     format: int = FORMAT
@@ -362,6 +365,39 @@ def _exchange(dist, rank, buf, recv):
         req.wait()
 
 
+def _oversubscribed_rank(rank: int, world_size: int, reps: int) -> float:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    buf = torch.ones(1024)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times)
+
+
+def _oversubscribed() -> dict:
+    """On a CPU of at most 8 cores, runs with more ranks than cores are common (this project's tests): the
+    latency of a collective there is the wait for every partner's turn on a core, measured directly."""
+    from hyper_adaptor.testing.world import WorldError, run_world
+
+    cores = _cores()
+    if cores > 8:
+        return {}
+    ranks = 2 * cores
+    try:
+        latency = max(run_world(ranks, "hyper_adaptor.dryrun.calibrate:_oversubscribed_rank", timeout=120, reps=200))
+    except WorldError:
+        return {}
+    return {"ranks": ranks, "latency_s": latency}
+
+
 def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     """megatron-core's fixed costs, from one-rank GPT training steps so small that their arithmetic is
     negligible: steps of (layers, micro-batches) = (1, 1), (3, 1), (1, 3) give a layer per micro-batch, a
@@ -370,6 +406,9 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     import logging
     import warnings
 
+    # the calibration prints its figures, not megatron's build log
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
     import torch
     import torch.distributed as dist
 
@@ -388,9 +427,6 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    # the calibration prints its figures, not megatron's build log
-    logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.simplefilter("ignore")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
@@ -537,7 +573,7 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
-    framework = {}
+    framework, oversubscribed = {}, {}
     if quick:
         latency, rate = ASSUMED_LINK[device]
         collectives = {op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES}
@@ -546,10 +582,12 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         collectives, source = _collectives(device)
         if device == "cpu":
             framework = _framework()
+            oversubscribed = _oversubscribed()
     return Calibration(
         device=device, host=socket.gethostname(), machine=machine_id(device), torch_version=torch.__version__,
         threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory,
         layer_overhead_s=overhead, collectives=collectives, collective_source=source, framework=framework,
+        oversubscribed=oversubscribed,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - start)
 
 
@@ -563,6 +601,9 @@ def describe(cal: Calibration) -> str:
     if cal.framework:
         lines.append("  megatron-core fixed costs: "
                      + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cal.framework.items()))
+    if cal.oversubscribed:
+        lines.append(f"  a small all-reduce on {cal.oversubscribed['ranks']:g} ranks (more than the cores): "
+                     f"{cal.oversubscribed['latency_s'] * 1e3:.2f} ms")
     lines.append(f"  collectives ({cal.collective_source}): " + "; ".join(
         f"{op} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
         for op, c in cal.collectives.items()))

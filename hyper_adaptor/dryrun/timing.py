@@ -501,6 +501,18 @@ def predict_time(args, calibration, shape=None) -> StepTime:
         raise TimingError(f"--global-batch-size {d.global_batch} is not a multiple of --micro-batch-size "
                           f"{d.micro_batch} x data-parallel size {d.dp}")
     cal, m, notes = calibration, d.micro_batches, []
+    stretch = 1.0
+    if cal.device == "cpu":
+        # every rank is a process of this machine with one thread: more ranks than cores share them
+        stretch = max(1.0, d.world / max(cal.cores, 1))
+        if stretch > 1:
+            notes.append(f"{d.world} ranks on {cal.cores} cores: every figure x {stretch:g}")
+        if stretch > 1 and cal.oversubscribed:
+            # a blocking collective waits for its partners' turn on a core: the measured latency of that
+            # (before the stretch below, which it already includes)
+            latency = cal.oversubscribed["latency_s"] / stretch
+            cal = dataclasses.replace(cal, collectives={
+                op: {**c, "latency_s": max(c["latency_s"], latency)} for op, c in cal.collectives.items()})
     ranks = _stages(shape, d)
     last_stage = d.pp * d.chunks - 1
     cost = {stage: _stage_cost(cal, d, o, layers, stage == 0, stage == last_stage)
@@ -552,12 +564,6 @@ def predict_time(args, calibration, shape=None) -> StepTime:
     parts["optimizer"] = _optimizer_time(cal, d, o, dense, expert, _matrices(d, layers), shards)
     parts["framework"] = cal.framework.get("step_s", 0.0)
 
-    stretch = 1.0
-    if cal.device == "cpu":
-        # every rank is a process of this machine with one thread: more ranks than cores share them
-        stretch = max(1.0, d.world / max(cal.cores, 1))
-        if stretch > 1:
-            notes.append(f"{d.world} ranks on {cal.cores} cores: every figure x {stretch:g}")
     parts = {k: v * stretch for k, v in parts.items()}
     comm_bytes = {"tp": m * sum(cost[s]["tp_bytes"] for s, _ in ranks[rank]), "dp": dp_bytes}
     if d.cp > 1:

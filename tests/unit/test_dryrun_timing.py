@@ -170,6 +170,18 @@ def test_cpu_ranks_beyond_cores_stretch_the_step():
     assert crowded.total == pytest.approx(2 * roomy.total)
 
 
+def test_oversubscribed_cpu_prices_each_collective_at_the_measured_wait():
+    flags = dict(tensor_model_parallel_size=4, world_size=4)
+    plain = timing.predict_time(namespace(**flags), fake_calibration(cores=2))
+    waits = timing.predict_time(namespace(**flags), fake_calibration(
+        cores=2, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
+    assert waits.parts["tp_comm"] > plain.parts["tp_comm"] + 5e-3
+    assert waits.parts["compute"] == plain.parts["compute"]
+    roomy = timing.predict_time(namespace(**flags), fake_calibration(
+        cores=8, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
+    assert roomy.parts["tp_comm"] < plain.parts["tp_comm"]  # enough cores: neither wait nor stretch
+
+
 def test_bad_layout_is_an_error_naming_the_flag():
     with pytest.raises(timing.TimingError, match="--global-batch-size 6"):
         timing.predict_time(namespace(global_batch_size=6, world_size=2), fake_calibration())
