@@ -436,7 +436,7 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids,
              "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5}
 
-    def step_time(layers: int, micro: int) -> float:
+    def build(layers: int, micro: int):
         config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                    ffn_hidden_size=4 * hidden, use_cpu_initialization=True,
                                    pipeline_dtype=torch.float32, params_dtype=torch.float32,
@@ -459,9 +459,15 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
             optimizer.step()
 
         one()
-        return min(_timed(one) for _ in range(reps))
+        return one
 
-    base, layers3, micro3 = step_time(1, 1), step_time(3, 1), step_time(1, 3)
+    # the three steps take turns, so that whatever else runs on the machine slows them alike
+    steps = [build(1, 1), build(3, 1), build(1, 3)]
+    best = [float("inf")] * 3
+    for _ in range(reps):
+        for i, one in enumerate(steps):
+            best[i] = min(best[i], _timed(one))
+    base, layers3, micro3 = best
     layer = max((layers3 - base) / 2, 0.0)
     micro = max((micro3 - base) / 2 - layer, 0.0)
     return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0)}
@@ -477,7 +483,7 @@ def _framework() -> dict:
     from hyper_adaptor.testing.world import WorldError, run_world
 
     try:
-        return run_world(1, "hyper_adaptor.dryrun.calibrate:_framework_rank", timeout=180, reps=7)[0]
+        return run_world(1, "hyper_adaptor.dryrun.calibrate:_framework_rank", timeout=180, reps=15)[0]
     except WorldError:
         return {}
 
