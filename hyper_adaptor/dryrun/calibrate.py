@@ -1,12 +1,12 @@
 """What this machine computes and moves per second: the constants of the dry-run's step-time model.
 
-``measure(device)`` runs short micro-benchmarks (a few seconds on a CPU): matmul throughput at several sizes
-(small matmuls run far below the peak, and a small model's step is made of them, so the model interpolates by
-size instead of using one peak figure), elementwise memory bandwidth, the fixed cost of one small transformer
-layer's forward and backward (the per-operator dispatch a small model is dominated by), and latency and
-bandwidth of each collective on a 2-rank world of the device's backend (gloo on a CPU). A CPU is measured with
-one thread, as every rank of a run launched here uses one.
-
+``measure(device)`` runs short micro-benchmarks: matmul throughput at several sizes (small matmuls run far
+below the peak, and a small model's step is made of them, so the model interpolates by size instead of using
+one peak figure), elementwise memory bandwidth, latency and bandwidth of each collective on a 2-rank world of
+the device's backend (gloo on a CPU), and on a CPU megatron-core's own fixed costs per layer, micro-batch and
+step (a small model's step is mostly those) and the wait of a collective on a world of more ranks than cores.
+The benchmarks themselves take seconds; starting the worlds and importing megatron in them most of the rest
+(about half a minute on a 2-core machine). A CPU is measured with one thread, as every rank launched here uses.
 ``get(device)`` returns the cached calibration of this machine, measuring it once (``recalibrate=True`` measures
 again). The JSON cache names the host, the machine and torch's version; a cache written by another machine or
 another torch is measured again, not reused.
