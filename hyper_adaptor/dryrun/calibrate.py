@@ -7,6 +7,7 @@ the device's backend (gloo on a CPU), and on a CPU megatron-core's own fixed cos
 step (a small model's step is mostly those) and the wait of a collective on a world of more ranks than cores.
 The benchmarks themselves take seconds; starting the worlds and importing megatron in them most of the rest
 (about half a minute on a 2-core machine). A CPU is measured with one thread, as every rank launched here uses.
+
 ``get(device)`` returns the cached calibration of this machine, measuring it once (``recalibrate=True`` measures
 again). The JSON cache names the host, the machine and torch's version; a cache written by another machine or
 another torch is measured again, not reused.
