@@ -1,0 +1,636 @@
+"""What this machine computes and moves per second: the constants of the dry-run's step-time model.
+
+``measure(device)`` runs short micro-benchmarks: matmul throughput at several sizes (small matmuls run far
+below the peak, and a small model's step is made of them, so the model interpolates by size instead of using
+one peak figure), elementwise memory bandwidth, latency and bandwidth of each collective on a 2-rank world of
+the device's backend (gloo on a CPU), and on a CPU megatron-core's own fixed costs per layer, micro-batch and
+step (a small model's step is mostly those) and the wait of a collective on a world of more ranks than cores.
+The benchmarks themselves take seconds; starting the worlds and importing megatron in them most of the rest
+(about half a minute on a 2-core machine). A CPU is measured with one thread, as every rank launched here uses.
+
+``get(device)`` returns the cached calibration of this machine, measuring it once (``recalibrate=True`` measures
+again). The JSON cache names the host, the machine and torch's version; a cache written by another machine or
+another torch is measured again, not reused.
+
+``python -m hyper_adaptor.dryrun.calibrate [--device cpu|cuda|npu] [--recalibrate]`` prints the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import dataclasses
+import json
+import math
+import os
+import platform as _platform
+import socket
+import sys
+import time
+from pathlib import Path
+
+CACHE_ENV = "HYPER_ADAPTOR_CACHE"
+DEVICES = ("cpu", "cuda", "npu")
+FORMAT = 1
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# where a device cannot measure its collectives (one accelerator, no second rank): a link of this latency and
+# bandwidth is assumed, and the calibration says so (``collective_source``)
+ASSUMED_LINK = {"cpu": (2e-4, 2e9), "cuda": (2e-5, 1e11), "npu": (2e-5, 1e11)}
+
+
+class CalibrationError(ValueError):
+    """A device name that is not one of cpu / cuda / npu, or a device this machine does not have."""
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Measured constants of one machine. Rates are per second; ``matmul`` maps a dtype name to sorted
+    [size, flop/s] pairs of an n x n x n matmul; ``collectives`` maps each of COLLECTIVES to
+    {"latency_s", "bytes_per_s"} in the "sent" convention (bytes one rank sends; see ``collective_time``)."""
+
+    device: str
+    host: str
+    machine: str
+    torch_version: str
+    threads: int
+    cores: int
+    matmul: dict[str, list[list[float]]]
+    memory_bytes_per_s: float
+    layer_overhead_s: float
+    collectives: dict[str, dict[str, float]]
+    collective_source: str = "measured"
+    # megatron's own fixed costs on this machine (seconds): a layer's forward and backward per micro-batch, a
+    # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
+    # measured (the small torch layer above stands in for a layer then)
+    framework: dict[str, float] = dataclasses.field(default_factory=dict)
+    # a CPU with few cores: a small all-reduce's median time on a world of twice as many ranks as cores, where
+    # a blocking collective waits for its partners to be scheduled ({"ranks", "latency_s"}; empty otherwise)
+    oversubscribed: dict[str, float] = dataclasses.field(default_factory=dict)
+    created: str = ""
+    seconds: float = 0.0
+    format: int = FORMAT
+
+    # ---------------------------------------------------------------------------------------------- lookups
+    def flops_per_s(self, size: float, dtype: str = "float32") -> float:
+        """Matmul throughput at effective size ``size`` ((m k n)^(1/3)), interpolated in log(size) between
+        the measured sizes, held flat beyond them; a dtype not measured falls back to float32."""
+        table = self.matmul.get(dtype) or self.matmul["float32"]
+        sizes = [s for s, _ in table]
+        x = max(size, 1.0)
+        if x <= sizes[0]:
+            # below the smallest size the time per call stops shrinking: the rate falls with the work
+            return table[0][1] * (x / sizes[0]) ** 3
+        if x >= sizes[-1]:
+            return table[-1][1]
+        i = bisect.bisect_right(sizes, x)
+        (s0, r0), (s1, r1) = table[i - 1], table[i]
+        t = (math.log(x) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return math.exp(math.log(r0) + t * (math.log(r1) - math.log(r0)))
+
+    def matmul_time(self, m: float, k: float, n: float, dtype: str = "float32", count: float = 1) -> float:
+        """Seconds for ``count`` matmuls of [m, k] x [k, n]."""
+        if m <= 0 or k <= 0 or n <= 0 or count <= 0:
+            return 0.0
+        flops = 2.0 * m * k * n
+        return count * flops / self.flops_per_s((m * k * n) ** (1 / 3), dtype)
+
+    def collective_time(self, op: str, group: int, sent_bytes: float, calls: float = 1) -> float:
+        """Seconds of ``calls`` collectives ``op`` over ``group`` ranks that send ``sent_bytes`` per rank in
+        all: each call pays the latency once per ring step (group - 1), the bytes at the measured rate."""
+        if group <= 1 and op != "send_recv":
+            return 0.0
+        c = self.collectives[op]
+        steps = max(group - 1, 1)
+        return calls * c["latency_s"] * steps + sent_bytes / c["bytes_per_s"]
+
+    # ----------------------------------------------------------------------------------------------- JSON
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Calibration:
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = {"device", "host", "machine", "torch_version", "matmul", "memory_bytes_per_s",
+                   "layer_overhead_s", "collectives"} - set(data)
+        if missing:
+            raise ValueError(f"calibration JSON lacks {sorted(missing)}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+# -------------------------------------------------------------------------------------------- identity
+def _check_device(device: str) -> str:
+    if device not in DEVICES:
+        raise CalibrationError(f"--device: invalid choice: {device!r} (choose from {', '.join(DEVICES)})")
+    return device
+
+
+def machine_id(device: str) -> str:
+    """The hardware the figures belong to: CPU model and core count, and the accelerator's name."""
+    cpu = _platform.processor() or _platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{_platform.machine()} {cpu} x{os.cpu_count()}"
+    if device != "cpu":
+        import torch
+
+        module = getattr(torch, device, None)
+        if module is not None and hasattr(module, "get_device_name"):
+            try:
+                text += f"; {module.get_device_name(0)}"
+            except Exception:  # no device: the name is then not part of what is compared
+                pass
+    return text
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cache_path(device: str) -> Path:
+    """``$HYPER_ADAPTOR_CACHE`` (a directory) or ``~/.cache/hyper_adaptor``, file
+    ``calibration-<device>-<host>.json``."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hyper_adaptor")
+    return root / f"calibration-{_check_device(device)}-{socket.gethostname()}.json"
+
+
+def matches_here(cal: Calibration) -> bool:
+    """True when ``cal`` was measured on this host, this machine and this torch."""
+    import torch
+
+    return (cal.host == socket.gethostname() and cal.machine == machine_id(cal.device)
+            and cal.torch_version == torch.__version__ and cal.format == FORMAT)
+
+
+def save(cal: Calibration, path: Path | None = None) -> Path:
+    path = Path(path or cache_path(cal.device))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cal.to_json(), indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def load(device: str, path: Path | None = None) -> Calibration | None:
+    """The cached calibration of ``device`` when it exists, parses and belongs to this machine and torch."""
+    path = Path(path or cache_path(device))
+    try:
+        cal = Calibration.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+    return cal if cal.device == device and matches_here(cal) else None
+
+
+# Figures of one current accelerator of each kind, for planning a cluster from a machine without one (the
+# planner's tables at cluster scale): matmul rate by size, HBM bandwidth, a layer's fixed launch cost and one
+# link, an intra-node one, for every collective. Assumed, not measured: a calibration on the device replaces them.
+NOMINAL = {
+    "cuda": {"matmul": {"bfloat16": [[64, 1e12], [256, 4e13], [1024, 3e14], [4096, 6e14], [8192, 6.5e14]],
+                        "float32": [[64, 5e11], [256, 1e13], [1024, 4e13], [4096, 5e13], [8192, 5e13]]},
+             "memory": 2.5e12, "layer": 6e-4, "link": (1e-5, 2e11)},
+    "npu": {"matmul": {"bfloat16": [[64, 5e11], [256, 2e13], [1024, 1.5e14], [4096, 2.8e14], [8192, 3e14]],
+                       "float32": [[64, 2.5e11], [256, 5e12], [1024, 2e13], [4096, 4e13], [8192, 4e13]]},
+            "memory": 1.5e12, "layer": 1e-3, "link": (2e-5, 1e11)},
+}
+
+
+def nominal(device: str) -> Calibration:
+    """Assumed figures of a ``device`` (cuda / npu) this machine does not have (``collective_source`` says so)."""
+    if _check_device(device) not in NOMINAL:
+        raise CalibrationError(f"--device {device}: no nominal figures; calibrate on the machine")
+    import torch
+
+    spec = NOMINAL[device]
+    latency, rate = spec["link"]
+    return Calibration(
+        device=device, host=socket.gethostname(), machine=f"nominal {device} (not measured)",
+        torch_version=torch.__version__, threads=1, cores=_cores(),
+        matmul={k: [list(map(float, row)) for row in v] for k, v in spec["matmul"].items()},
+        memory_bytes_per_s=spec["memory"], layer_overhead_s=spec["layer"],
+        collectives={op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES},
+        collective_source="assumed (nominal figures: no such device on this machine)")
+
+
+def get(device: str = "cpu", recalibrate: bool = False, path: Path | None = None,
+        allow_nominal: bool = False) -> Calibration:
+    """This machine's calibration of ``device``: the cache, or a measurement written to the cache.
+    ``allow_nominal``: where this machine has no such device, :func:`nominal`'s assumed figures (not cached)."""
+    _check_device(device)
+    cal = None if recalibrate else load(device, path)
+    if cal is None:
+        try:
+            cal = measure(device)
+        except CalibrationError:
+            if allow_nominal and device in NOMINAL:
+                return nominal(device)
+            raise
+        save(cal, path)
+    return cal
+
+
+# ---------------------------------------------------------------------------------------- measurements
+def _timer(device: str):
+    import torch
+
+    if device == "cpu":
+        return time.perf_counter
+    module = getattr(torch, device)
+
+    def clock():
+        module.synchronize()
+        return time.perf_counter()
+
+    return clock
+
+
+def _best(fn, clock, budget: float, min_reps: int = 2, max_reps: int = 50) -> float:
+    """Fastest of repeated runs of ``fn`` (after one warm-up), within about ``budget`` seconds."""
+    fn()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < min_reps or (spent < budget and reps < max_reps):
+        t0 = clock()
+        fn()
+        dt = clock() - t0
+        best, spent, reps = min(best, dt), spent + dt, reps + 1
+    return max(best, 1e-9)
+
+
+def _matmul_table(device: str, dtype, sizes, budget: float) -> list[list[float]]:
+    import torch
+
+    clock = _timer(device)
+    rows = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
+        seconds = _best(lambda a=a, b=b: torch.mm(a, b), clock, budget)
+        rows.append([float(n), 2.0 * n ** 3 / seconds])
+    return rows
+
+
+def _memory_bandwidth(device: str, budget: float) -> float:
+    import torch
+
+    clock = _timer(device)
+    n = (16 if device == "cpu" else 256) * 2 ** 20 // 4
+    a, b = torch.ones(n, device=device), torch.ones(n, device=device)
+    out = torch.empty_like(a)
+    seconds = _best(lambda: torch.add(a, b, out=out), clock, budget)
+    return 3 * 4 * n / seconds  # two reads and one write
+
+
+def _layer_overhead(device: str, budget: float) -> float:
+    """Forward and backward of a transformer layer so small that its arithmetic is negligible: what every
+    layer pays per micro-batch in operator dispatch and autograd bookkeeping."""
+    import torch
+    import torch.nn.functional as F
+
+    h, s, heads = 16, 8, 2
+    w = {name: torch.randn(*shape, device=device, requires_grad=True) * 0.1 for name, shape in
+         (("qkv", (3 * h, h)), ("proj", (h, h)), ("fc1", (4 * h, h)), ("fc2", (h, 4 * h)))}
+    w = {k: v.detach().requires_grad_() for k, v in w.items()}
+    norm = torch.ones(h, device=device, requires_grad=True)
+    x0 = torch.randn(s, 1, h, device=device, requires_grad=True)
+
+    def layer():
+        x = F.layer_norm(x0, (h,), norm)
+        q, k, v = F.linear(x, w["qkv"]).view(s, heads, 3 * h // heads).transpose(0, 1).chunk(3, dim=-1)
+        p = F.dropout(torch.softmax(q @ k.transpose(1, 2) / 4.0, dim=-1), 0.1)
+        a = F.linear((p @ v).transpose(0, 1).reshape(s, 1, h), w["proj"])
+        x = x0 + F.dropout(a, 0.1)
+        y = F.layer_norm(x, (h,), norm)
+        x = x + F.dropout(F.linear(F.gelu(F.linear(y, w["fc1"])), w["fc2"]), 0.1)
+        x.sum().backward()
+
+    return _best(layer, _timer(device), budget, min_reps=5, max_reps=200)
+
+
+def _collective_rank(rank: int, world_size: int, device: str, sizes: list[int], reps: int) -> dict:
+    """On each rank of a 2-rank world: the fastest time of each collective at each buffer size."""
+    import torch
+    import torch.distributed as dist
+
+    from hyper_adaptor import platform
+
+    if device != "cpu":
+        getattr(torch, device).set_device(rank)
+    dist.init_process_group(platform.distributed_backend(device), rank=rank, world_size=world_size)
+    dev = torch.device(device, rank) if device != "cpu" else torch.device("cpu")
+    clock = _timer(device)
+    out: dict[str, list | None] = {op: [] for op in COLLECTIVES}
+    for nbytes in sizes:
+        n = max(nbytes // 4, world_size)
+        n -= n % world_size
+        buf = torch.ones(n, device=dev)
+        shard = torch.empty(n // world_size, device=dev)
+        recv = torch.empty_like(buf)
+        ops = {
+            "all_reduce": lambda buf=buf: dist.all_reduce(buf),
+            "all_gather": lambda buf=buf, shard=shard: dist.all_gather_into_tensor(buf, shard),
+            "reduce_scatter": lambda buf=buf, shard=shard: dist.reduce_scatter_tensor(shard, buf),
+            "all_to_all": lambda buf=buf, recv=recv: dist.all_to_all_single(recv, buf),
+            "send_recv": lambda buf=buf, recv=recv: _exchange(dist, rank, buf, recv),
+        }
+        for op, fn in ops.items():
+            if out[op] is None:
+                continue
+            dist.barrier()
+            try:
+                fn()
+            except (RuntimeError, NotImplementedError):
+                # a backend without this collective (both ranks fail alike): priced as the all-gather
+                out[op] = None
+                continue
+            best = float("inf")
+            for _ in range(reps):
+                dist.barrier()
+                t0 = clock()
+                fn()
+                best = min(best, clock() - t0)
+            out[op].append((4 * n, best))
+    dist.barrier()
+    return out
+
+
+def _exchange(dist, rank, buf, recv):
+    # both ranks send their whole buffer to the other one: what a pipeline boundary or a ring step does
+    ops = [dist.P2POp(dist.isend, buf, 1 - rank), dist.P2POp(dist.irecv, recv, 1 - rank)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
+def _oversubscribed_rank(rank: int, world_size: int, reps: int) -> float:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    buf = torch.ones(1024)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        times.append(time.perf_counter() - t0)
+    dist.barrier()
+    return statistics.median(times)
+
+
+def _oversubscribed() -> dict:
+    """On a CPU of at most 8 cores, runs with more ranks than cores are common (this project's tests): the
+    latency of a collective there is the wait for every partner's turn on a core, measured directly."""
+    from hyper_adaptor.testing.world import WorldError, run_world
+
+    cores = _cores()
+    if cores > 8:
+        return {}
+    ranks = 2 * cores
+    try:
+        latency = max(run_world(ranks, "hyper_adaptor.dryrun.calibrate:_oversubscribed_rank", timeout=120, reps=200))
+    except WorldError:
+        return {}
+    return {"ranks": ranks, "latency_s": latency}
+
+
+def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
+    """megatron-core's fixed costs, from one-rank GPT training steps so small that their arithmetic is
+    negligible: steps of (layers, micro-batches) = (1, 1), (3, 1), (1, 3) give a layer per micro-batch, a
+    micro-batch and a step by differences. The model is built as bench/_gpt_step.py builds it (local spec, DDP,
+    megatron's Adam)."""
+    import logging
+    import warnings
+
+    # the calibration prints its figures, not megatron's build log
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+    warnings.simplefilter("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from hyper_adaptor.testing.gpt import forward_step
+
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    hidden, heads, seq, vocab, micro_batch = 16, 2, 16, 64, 1
+    position_ids = torch.arange(seq).unsqueeze(0)
+    tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids,
+             "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5}
+
+    def build(layers: int, micro: int):
+        config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                                   ffn_hidden_size=4 * hidden, use_cpu_initialization=True,
+                                   pipeline_dtype=torch.float32, params_dtype=torch.float32,
+                                   bias_activation_fusion=False, bias_dropout_fusion=False,
+                                   masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                                   persist_layer_norm=False)
+        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
+                         max_sequence_length=seq)
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0,
+                                                           params_dtype=torch.float32), [ddp])
+        config.finalize_model_grads_func = finalize_model_grads
+
+        def one():
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch] * micro),
+                                        model=ddp, num_microbatches=micro, seq_length=seq,
+                                        micro_batch_size=micro_batch, forward_only=False)
+            optimizer.step()
+
+        one()
+        return one
+
+    # the three steps take turns, so that whatever else runs on the machine slows them alike
+    steps = [build(1, 1), build(3, 1), build(1, 3)]
+    best = [float("inf")] * 3
+    for _ in range(reps):
+        for i, one in enumerate(steps):
+            best[i] = min(best[i], _timed(one))
+    base, layers3, micro3 = best
+    layer = max((layers3 - base) / 2, 0.0)
+    micro = max((micro3 - base) / 2 - layer, 0.0)
+    return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0)}
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _framework() -> dict:
+    from hyper_adaptor.testing.world import WorldError, run_world
+
+    try:
+        return run_world(1, "hyper_adaptor.dryrun.calibrate:_framework_rank", timeout=180, reps=15)[0]
+    except WorldError:
+        return {}
+
+
+def _sent_fraction(op: str, group: int) -> float:
+    """Bytes one rank sends per byte of the collective's (full) buffer."""
+    if op == "all_reduce":
+        return 2 * (group - 1) / group
+    if op == "send_recv":
+        return 1.0
+    return (group - 1) / group
+
+
+def _fit(points: list[tuple[int, float]], op: str) -> dict[str, float]:
+    """latency + sent bytes / rate through the smallest and the largest buffer (2 ranks: one ring step)."""
+    (b0, t0), (b1, t1) = points[0], points[-1]
+    s0, s1 = b0 * _sent_fraction(op, 2), b1 * _sent_fraction(op, 2)
+    rate = (s1 - s0) / max(t1 - t0, 1e-9)
+    latency = max(t0 - s0 / rate, 1e-7)
+    return {"latency_s": latency, "bytes_per_s": rate}
+
+
+def _collectives(device: str) -> tuple[dict, str]:
+    from hyper_adaptor.testing.world import WorldError, run_world
+
+    if device != "cpu":
+        import torch
+
+        if getattr(torch, device).device_count() < 2:
+            latency, rate = ASSUMED_LINK[device]
+            return ({op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES},
+                    "assumed (one device: no second rank to measure a link)")
+    sizes = [16 * 2 ** 10, 4 * 2 ** 20] if device == "cpu" else [64 * 2 ** 10, 64 * 2 ** 20]
+    try:
+        results = run_world(2, "hyper_adaptor.dryrun.calibrate:_collective_rank", timeout=120,
+                            device=device, sizes=sizes, reps=5)
+    except WorldError as err:
+        latency, rate = ASSUMED_LINK[device]
+        first = str(err).splitlines()[0]
+        return ({op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES},
+                f"assumed (the 2-rank world failed: {first})")
+    table, missing = {}, []
+    for op in COLLECTIVES:
+        if results[0][op] is None:
+            missing.append(op)
+            continue
+        # the slower rank's time is the collective's
+        points = [(nbytes, max(r[op][i][1] for r in results)) for i, (nbytes, _) in enumerate(results[0][op])]
+        table[op] = _fit(points, op)
+    for op in missing:
+        table[op] = dict(table.get("all_gather") or table["all_reduce"])
+    if missing:
+        return table, f"measured ({', '.join(missing)} not served by the backend: priced as all_gather)"
+    return table, "measured"
+
+
+def measure(device: str = "cpu", quick: bool = False) -> Calibration:
+    """Measure this machine's ``device`` (cpu / cuda / npu). ``quick``: the compute figures only, a shorter
+    budget, and an assumed link (for tests)."""
+    _check_device(device)
+    import torch
+
+    if device != "cpu":
+        module = getattr(torch, device, None)
+        if device == "npu":
+            from hyper_adaptor import platform
+
+            available = platform.npu_available()
+        else:
+            available = module is not None and module.is_available()
+        if not available:
+            raise CalibrationError(f"--device {device}: this machine has no usable {device} device to calibrate "
+                                   "(run on one, or copy its calibration JSON into the cache)")
+    start = time.perf_counter()
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        budget = 0.05 if quick else 0.25
+        if device == "cpu":
+            sizes = (16, 64, 256) if quick else (16, 32, 64, 128, 256, 512)
+            dtypes = {"float32": torch.float32} if quick else {"float32": torch.float32, "bfloat16": torch.bfloat16}
+        else:
+            sizes = (64, 256, 1024, 4096) if quick else (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+            dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        matmul = {}
+        for name, dtype in dtypes.items():
+            # bf16 matmuls on a CPU can be slow: their table stops where one call passes the budget
+            matmul[name] = _matmul_table(device, dtype, sizes if name == "float32" or device != "cpu"
+                                         else [s for s in sizes if s <= 256], budget / len(sizes))
+        memory = _memory_bandwidth(device, budget)
+        overhead = _layer_overhead(device, budget)
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+    framework, oversubscribed = {}, {}
+    if quick:
+        latency, rate = ASSUMED_LINK[device]
+        collectives = {op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES}
+        source = "assumed (quick calibration)"
+    else:
+        collectives, source = _collectives(device)
+        if device == "cpu":
+            framework = _framework()
+            oversubscribed = _oversubscribed()
+    return Calibration(
+        device=device, host=socket.gethostname(), machine=machine_id(device), torch_version=torch.__version__,
+        threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory,
+        layer_overhead_s=overhead, collectives=collectives, collective_source=source, framework=framework,
+        oversubscribed=oversubscribed,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - start)
+
+
+def describe(cal: Calibration) -> str:
+    lines = [f"calibration of {cal.device} on {cal.host} ({cal.machine}), torch {cal.torch_version}, "
+             f"{cal.threads} thread(s), {cal.cores} core(s), measured {cal.created} in {cal.seconds:.1f} s"]
+    for dtype, table in cal.matmul.items():
+        lines.append(f"  matmul {dtype}: " + ", ".join(f"n={int(s)} {r / 1e9:.1f} GFLOP/s" for s, r in table))
+    lines.append(f"  memory bandwidth {cal.memory_bytes_per_s / 1e9:.2f} GB/s; "
+                 f"small layer forward+backward {cal.layer_overhead_s * 1e3:.2f} ms")
+    if cal.framework:
+        lines.append("  megatron-core fixed costs: "
+                     + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cal.framework.items()))
+    if cal.oversubscribed:
+        lines.append(f"  a small all-reduce on {cal.oversubscribed['ranks']:g} ranks (more than the cores): "
+                     f"{cal.oversubscribed['latency_s'] * 1e3:.2f} ms")
+    lines.append(f"  collectives ({cal.collective_source}): " + "; ".join(
+        f"{op} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
+        for op, c in cal.collectives.items()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hyper_adaptor.dryrun.calibrate",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or npu (default cpu)")
+    parser.add_argument("--recalibrate", action="store_true", help="measure again, replacing the cache")
+    args = parser.parse_args(argv)
+    try:
+        cal = get(args.device, recalibrate=args.recalibrate)
+    except CalibrationError as err:
+        parser.error(str(err))
+    print(describe(cal))
+    print(f"cache: {cache_path(args.device)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

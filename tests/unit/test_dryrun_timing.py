@@ -1,0 +1,309 @@
+"""The dry-run's step-time model (hyper_adaptor/dryrun/timing.py) and its calibration cache
+(hyper_adaptor/dryrun/calibrate.py): FLOPs of a hand-computed shape, the pipeline bubble through the
+simulator, the direction of each split, the communication formulas against the benches' own theory
+functions, and the cache's round trip. No real micro-benchmark beyond the quick one (< 2 s)."""
+
+import argparse
+import dataclasses
+import json
+import socket
+
+import pytest
+
+from hyper_adaptor.dryrun import calibrate, timing
+from hyper_adaptor.dryrun.timing import Dims
+
+# hidden 64, 4 heads of 16, FFN 4h, 32 tokens x micro-batch 2, vocab 128
+SMALL = dict(hidden=64, ffn=256, heads=4, kv_heads=4, head_dim=16, layers=4, seq=32, micro_batch=2,
+             global_batch=8, vocab=128)
+
+
+def fake_calibration(**changes) -> calibrate.Calibration:
+    """A machine of fixed, round figures: 1 TFLOP/s at every size, 100 GB/s, a 10 us link of 10 GB/s."""
+    import torch
+
+    cal = calibrate.Calibration(
+        device="cpu", host=socket.gethostname(), machine=calibrate.machine_id("cpu"),
+        torch_version=torch.__version__, threads=1, cores=1024,
+        matmul={"float32": [[1.0, 1e12], [4096.0, 1e12]]}, memory_bytes_per_s=1e11, layer_overhead_s=0.0,
+        collectives={op: {"latency_s": 1e-5, "bytes_per_s": 1e10} for op in calibrate.COLLECTIVES})
+    return dataclasses.replace(cal, **changes)
+
+
+def namespace(**flags) -> argparse.Namespace:
+    """The attributes of megatron's namespace the dry-run reads, for SMALL at one rank (no biases, tied)."""
+    base = dict(hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=16, num_layers=4,
+                seq_length=32, max_position_embeddings=32, micro_batch_size=2, global_batch_size=8,
+                padded_vocab_size=128, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+                virtual_pipeline_model_parallel_size=None, group_query_attention=False, num_query_groups=None,
+                num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
+                moe_shared_expert_intermediate_size=None, moe_grouped_gemm=False, swiglu=False,
+                normalization="LayerNorm", untie_embeddings_and_output_weights=False,
+                position_embedding_type="learned_absolute", add_bias_linear=False, add_qkv_bias=False,
+                qk_layernorm=False, bf16=False, fp16=False, sequence_parallel=False)
+    base.update(flags)
+    base["data_parallel_size"] = base["world_size"] // (base["tensor_model_parallel_size"]
+                                                        * base["pipeline_model_parallel_size"]
+                                                        * base["context_parallel_size"])
+    return argparse.Namespace(**base)
+
+
+# ------------------------------------------------------------------------------------------------- FLOPs
+def test_layer_flops_hand_computed():
+    d = Dims(**SMALL)
+    # t = 64 tokens: QKV 2*64*64*192, scores and values 2 x 2*32*16*32 per (batch x head) = 8,
+    # projection 2*64*64*64, MLP 2 x 2*64*64*256
+    hand = 2 * 64 * 64 * 192 + 2 * (2 * 32 * 16 * 32 * 8) + 2 * 64 * 64 * 64 + 2 * (2 * 64 * 64 * 256)
+    assert hand == 6_815_744
+    assert timing.layer_flops(d) == hand
+    b, s, h = 2, 32, 64  # the textbook count for FFN = 4h: 24 b s h^2 + 4 b s^2 h
+    assert timing.layer_flops(d) == 24 * b * s * h * h + 4 * b * s * s * h
+    # TP splits heads and FFN, CP the sequence (attention: own queries against all keys): both halve it
+    assert timing.layer_flops(dataclasses.replace(d, tp=2)) == hand / 2
+    assert timing.layer_flops(dataclasses.replace(d, cp=2)) == hand / 2
+
+
+def test_moe_flops_follow_topk_not_experts():
+    d = Dims(**SMALL, num_experts=8, topk=2, moe_ffn=64)
+    mm = timing.flops(timing.layer_matmuls(d, moe=True))
+    t = 64
+    assert mm["router"] == 2 * t * 64 * 8
+    assert mm["expert_fc1"] + mm["expert_fc2"] == 2 * (2 * t * 2 * 64 * 64)  # t x topk rows through FFN 64
+    # EP spreads the same rows over more ranks' experts: the work per rank stays, fewer experts hold it
+    d_ep = dataclasses.replace(d, ep=4, world=4)
+    mm_ep = timing.flops(timing.layer_matmuls(d_ep, moe=True))
+    assert mm_ep["expert_fc1"] == mm["expert_fc1"]
+    assert timing.layer_matmuls(d_ep, moe=True)["expert_fc1"][3] == 2  # 8 experts / EP 4
+
+
+def test_step_flops_count_forward_backward_and_recompute():
+    cal = fake_calibration()
+    step = timing.predict_time(namespace(), cal)
+    m = 4  # 8 / (2 x 1)
+    logits = 2 * 64 * 64 * 128
+    assert step.micro_batches == m
+    assert step.flops_per_rank == m * 3 * (4 * 6_815_744 + logits)
+    recompute = timing.predict_time(namespace(recompute_granularity="full", recompute_method="uniform",
+                                              recompute_num_layers=1), cal)
+    assert recompute.flops_per_rank == step.flops_per_rank + m * 4 * 6_815_744
+    assert recompute.parts["recompute"] > 0 and step.parts["recompute"] == 0
+    block = timing.predict_time(namespace(recompute_granularity="full", recompute_method="block",
+                                          recompute_num_layers=1), cal)
+    assert block.flops_per_rank == step.flops_per_rank + m * 6_815_744
+    assert sum(step.parts.values()) == pytest.approx(step.total)
+
+
+def test_framework_fixed_costs_per_layer_micro_batch_and_step():
+    plain = timing.predict_time(namespace(), fake_calibration())
+    fixed = timing.predict_time(namespace(), fake_calibration(
+        framework={"layer_s": 1e-3, "micro_batch_s": 2e-3, "step_s": 5e-3}))
+    m, layers = 4, 4
+    assert fixed.total - plain.total == pytest.approx(m * layers * 1e-3 + m * 2e-3 + 5e-3)
+    assert fixed.parts["framework"] == 5e-3
+
+
+# ----------------------------------------------------------------------------------------------- bubble
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
+def test_1f1b_bubble_is_textbook_through_the_simulator(p, m):
+    d = Dims(**{**SMALL, "layers": p, "global_batch": 2 * m}, pp=p, world=p)
+    makespan, ideal, bubble = timing._pipeline("1f1b", d, {"F": 1.0, "B": 2.0}, 0.0)
+    assert bubble == pytest.approx((p - 1) / (m + p - 1))
+    assert ideal == pytest.approx((m + p - 1) * 3.0) and makespan == ideal
+    # a run's step: the slowest stage's F + B paced over (m + p - 1) slots, the rest of it bubble
+    step = timing.predict_time(namespace(pipeline_model_parallel_size=p, num_layers=p, world_size=p,
+                                         global_batch_size=2 * m), fake_calibration(layer_overhead_s=1e-3))
+    assert step.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert step.schedule == "1f1b"
+    slot = step.costs["F"] + step.costs["B"]
+    assert step.total - step.parts["optimizer"] - step.parts["dp_comm"] == pytest.approx((m + p - 1) * slot
+                                                                                          + step.parts["pp_comm"])
+
+
+@pytest.mark.parametrize("name,chunks", [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("zbv", 2)])
+def test_many_micro_batches_extend_the_steady_state(name, chunks):
+    from hyper_adaptor.parallel.pipeline.schedules import build
+    from hyper_adaptor.parallel.pipeline.timeline import simulate
+
+    p, m = 4, 22  # past 3 x PP: simulated at 10 and 14 micro-batches, extended to 22
+    d = Dims(**{**SMALL, "layers": 8, "global_batch": 2 * m}, pp=p, chunks=chunks, world=p)
+    costs = {"F": 1.0, "B": 2.5} if name in ("1f1b", "interleaved") else {"F": 1.0, "B": 2.5, "I": 1.5, "W": 1.0}
+    makespan, ideal, bubble = timing._pipeline(name, d, costs, 0.25)
+    layout, lists = build(name, p, m, chunks if chunks > 1 else None)
+    assert makespan == pytest.approx(simulate(lists, layout, costs, 0.25).makespan, rel=0.01)
+    direct = simulate(lists, layout, costs, 0.0)
+    assert ideal == pytest.approx(direct.makespan, rel=0.01) and bubble == pytest.approx(direct.bubble, abs=0.01)
+
+
+def test_zero_bubble_schedule_beats_1f1b():
+    flags = dict(pipeline_model_parallel_size=4, world_size=4, global_batch_size=16)
+    cal = fake_calibration(layer_overhead_s=1e-3)
+    one = timing.predict_time(namespace(**flags), cal)
+    zb = timing.predict_time(namespace(pipeline_schedule="zbh1", **flags), cal)
+    assert zb.parts["bubble"] < one.parts["bubble"]
+    assert zb.total < one.total
+
+
+# ------------------------------------------------------------------------------------------ monotonicity
+def test_more_tp_less_compute_more_communication():
+    cal = fake_calibration()
+    steps = [timing.predict_time(namespace(tensor_model_parallel_size=t, world_size=t), cal) for t in (1, 2, 4)]
+    compute = [s.parts["compute"] for s in steps]
+    comm = [s.parts["tp_comm"] for s in steps]
+    assert compute[0] > compute[1] > compute[2]
+    assert comm[0] == 0 < comm[1] < comm[2]
+    assert [s.flops_per_rank for s in steps] == pytest.approx([steps[0].flops_per_rank / t for t in (1, 2, 4)])
+
+
+def test_more_data_parallel_fewer_micro_batches_more_reduction():
+    cal = fake_calibration()
+    one, four = (timing.predict_time(namespace(world_size=w), cal) for w in (1, 4))
+    assert (one.micro_batches, four.micro_batches) == (4, 1)
+    assert four.parts["compute"] < one.parts["compute"]
+    assert one.parts["dp_comm"] == 0 < four.parts["dp_comm"]
+
+
+def test_cpu_ranks_beyond_cores_stretch_the_step():
+    flags = dict(tensor_model_parallel_size=4, world_size=4)
+    roomy = timing.predict_time(namespace(**flags), fake_calibration(cores=8))
+    crowded = timing.predict_time(namespace(**flags), fake_calibration(cores=2))
+    assert crowded.total == pytest.approx(2 * roomy.total)
+
+
+def test_oversubscribed_cpu_prices_each_collective_at_the_measured_wait():
+    flags = dict(tensor_model_parallel_size=4, world_size=4)
+    plain = timing.predict_time(namespace(**flags), fake_calibration(cores=2))
+    waits = timing.predict_time(namespace(**flags), fake_calibration(
+        cores=2, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
+    assert waits.parts["tp_comm"] > plain.parts["tp_comm"] + 5e-3
+    assert waits.parts["compute"] == plain.parts["compute"]
+    roomy = timing.predict_time(namespace(**flags), fake_calibration(
+        cores=8, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
+    assert roomy.parts["tp_comm"] < plain.parts["tp_comm"]  # enough cores: neither wait nor stretch
+
+
+def test_bad_layout_is_an_error_naming_the_flag():
+    with pytest.raises(timing.TimingError, match="--global-batch-size 6"):
+        timing.predict_time(namespace(global_batch_size=6, world_size=2), fake_calibration())
+    with pytest.raises(timing.TimingError, match="--world-size 3"):
+        timing.predict_time(namespace(world_size=3, tensor_model_parallel_size=2), fake_calibration())
+
+
+# ------------------------------------------------------- the engines' theory, as the benches state it
+def _bench_dims(d: Dims) -> dict:
+    return {"seq": d.seq, "dim": d.hidden, "vocab": d.vocab, "layers": d.layers}
+
+
+def test_tp_volume_is_the_tp_bench_theory():
+    from bench._tp_contenders import theory_megatron_sp_regather_bytes, theory_tp_bytes
+
+    d = Dims(**SMALL, tp=2)
+    ours = timing.tp_sent_bytes(d, d.layers, first=True, last=True)
+    assert ours["forward"] + ours["backward"] == theory_tp_bytes(_bench_dims(d), 2, 2, gathered_logits=False)
+    sp = timing.tp_sent_bytes(dataclasses.replace(d, sp=True), d.layers, first=True, last=True)
+    assert sp["forward"] + sp["backward"] - (ours["forward"] + ours["backward"]) == \
+        theory_megatron_sp_regather_bytes(_bench_dims(d), 2, 2)
+
+
+@pytest.mark.parametrize("algo", ["ring", "ulysses", "allgather", "hybrid"])
+def test_cp_volume_is_the_cp_bench_theory(algo):
+    from bench._cp_analysis import theory
+
+    d = Dims(**{**SMALL, "kv_heads": 2}, cp=4)
+    ours = timing.cp_sent_bytes(algo, d, ulysses_degree=2)
+    bench = theory(algo, 4, d.seq, {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 16})
+    assert (ours["forward"], ours["backward"]) == pytest.approx((bench["forward"], bench["backward"]))
+
+
+def test_ep_volume_is_the_ep_bench_theory():
+    from bench.expert_parallel import engine_theory_bytes
+
+    d = Dims(**SMALL, num_experts=8, topk=2, moe_ffn=64, ep=4, world=4)
+    rows = 64 * 2 * 3 / 4  # t x topk, three quarters of them to other ranks
+    sent, calls = timing.ep_sent_bytes(d, "alltoall")
+    assert sent == pytest.approx(engine_theory_bytes({"sent_rows": rows, "received_rows": rows}, 64, 8, 4))
+    assert calls == 5
+
+
+def test_dp_volume_is_the_dp_bench_theory():
+    from bench._hsdp_contenders import theory_comm_bytes
+    from bench._tp_contenders import theory_dp_bytes
+
+    psi, n = 1000, 4
+    assert timing.dp_sent_bytes("ddp", psi, n, 4, 4) == theory_dp_bytes("ddp", psi, n)
+    assert timing.dp_sent_bytes("hsdp-level3", psi, n, 4, 4) == theory_dp_bytes("hsdp-level3", psi, n)
+    assert timing.dp_sent_bytes("distopt", psi, n, 4, 4) == theory_comm_bytes("zero2", psi) * (n - 1) / n
+    assert timing.dp_sent_bytes("ddp", psi, 1, 4, 4) == 0
+
+
+def test_dp_volume_counts_the_ranks_parameters():
+    # per layer QKV 64 x 192, projection 64 x 64, two norms (weight, bias), MLP 2 x 64 x 256: 49,408;
+    # 4 layers + word (128 x 64) and position (32 x 64) embeddings + final norm (the output layer is tied)
+    psi = 4 * (64 * 192 + 64 * 64 + 4 * 64 + 2 * 64 * 256) + 128 * 64 + 32 * 64 + 2 * 64
+    assert psi == 208_000
+    step = timing.predict_time(namespace(world_size=2), fake_calibration())
+    assert step.comm_bytes["dp"] == 2 * psi * 4 * (2 - 1) / 2
+    distopt = timing.predict_time(namespace(world_size=2, use_distributed_optimizer=True), fake_calibration())
+    assert distopt.comm_bytes["dp"] == step.comm_bytes["dp"]  # reduce-scatter + all-gather: the same volume
+    assert distopt.parts["optimizer"] == pytest.approx(step.parts["optimizer"] / 2)  # half the state per rank
+
+
+# ------------------------------------------------------------------------------------------ calibration
+def test_calibration_cache_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    cal = fake_calibration()
+    path = calibrate.save(cal)
+    assert path == tmp_path / f"calibration-cpu-{socket.gethostname()}.json"
+    assert calibrate.load("cpu") == cal
+
+    def no_measuring(device, quick=False):
+        raise AssertionError("measured although the cache is valid")
+
+    monkeypatch.setattr(calibrate, "measure", no_measuring)
+    assert calibrate.get("cpu") == cal
+    # another torch, another machine, another host: measured again, not reused
+    for change in ({"torch_version": "0.0.1"}, {"machine": "elsewhere"}, {"host": "other-host"}):
+        path.write_text(json.dumps(fake_calibration(**change).to_json()))
+        assert calibrate.load("cpu") is None
+    path.write_text("{not json")
+    assert calibrate.load("cpu") is None
+    fresh = fake_calibration(memory_bytes_per_s=5e10)
+    monkeypatch.setattr(calibrate, "measure", lambda device, quick=False: fresh)
+    assert calibrate.get("cpu") == fresh and calibrate.load("cpu") == fresh
+    monkeypatch.setattr(calibrate, "measure", lambda device, quick=False: cal)
+    assert calibrate.get("cpu", recalibrate=True) == cal  # --recalibrate measures although the cache is valid
+
+
+def test_quick_measurement_and_interpolation():
+    cal = calibrate.measure("cpu", quick=True)
+    assert cal.seconds < 2 and calibrate.matches_here(cal)
+    sizes = [s for s, _ in cal.matmul["float32"]]
+    assert sizes == sorted(sizes) and cal.memory_bytes_per_s > 0 and cal.layer_overhead_s > 0
+    # between two measured sizes the rate lies between theirs; below the smallest, a matmul costs no less
+    lo, hi = cal.matmul["float32"][0], cal.matmul["float32"][1]
+    mid = cal.flops_per_s((lo[0] * hi[0]) ** 0.5)
+    assert min(lo[1], hi[1]) <= mid <= max(lo[1], hi[1])
+    assert cal.matmul_time(4, 4, 4) == pytest.approx(cal.matmul_time(lo[0], lo[0], lo[0]))
+    assert calibrate.Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+
+
+def test_unknown_or_absent_device_is_an_error():
+    import torch
+
+    with pytest.raises(calibrate.CalibrationError, match="--device: invalid choice: 'gpu'"):
+        calibrate.get("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(calibrate.CalibrationError, match="--device cuda: this machine has no usable cuda"):
+            calibrate.measure("cuda")
+
+
+def test_nominal_figures_for_an_absent_accelerator():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: cuda is measured, not assumed")
+    cal = calibrate.get("cuda", allow_nominal=True)
+    assert cal.collective_source.startswith("assumed") and "nominal" in cal.machine
+    # a bf16 GPT priced on the nominal GPU
+    args = namespace(bf16=True, world_size=2, tensor_model_parallel_size=2)
+    assert 0 < timing.predict_time(args, cal).total
