@@ -297,19 +297,22 @@ def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list
 
 
 def _moe_terms(shape: ModelShape, args, full: int, width: int) -> list[Term]:
-    """An MoE layer's MLP part. Assumption: balanced routing, so each rank's experts get on average
-    s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank, tokens
-    from the EP group's ranks)."""
+    """An MoE layer's MLP part: the router's input and its routing tensors (top-k indices int64 and
+    probabilities fp32 per token, the experts' bool routing map and fp32 probabilities, the permutation's int64
+    indices), the permuted tokens, and per expert fc1's output, the activation's and the activation scaled by
+    the routing probability (with those probabilities). Assumption: balanced routing, so each rank's experts get
+    on average s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank,
+    tokens from the EP group's ranks)."""
     s, b = shape.seq // shape.cp, shape.micro_batch
     tokens = s * b * shape.topk
-    terms = [Term("router input", "moe", full * width),
-             Term("router logits, probabilities", "moe", 3 * s * b * shape.num_experts * FP32),
+    routing = s * b * shape.topk * (8 + FP32) + s * b * shape.num_experts * (1 + FP32) + tokens * 8
+    # the pre-MLP norm's output: the router's input, and the shared experts' (one storage)
+    terms = [Term("router input", "moe", full * width, True), Term("routing", "moe", routing),
              Term("permuted tokens", "experts", tokens * shape.hidden * width, True)]
-    for term in _mlp_activation(tokens * (shape.moe_ffn // shape.etp), width, shape.swiglu, "experts"):
-        terms.append(term)
-    terms.append(Term("expert output (unpermute)", "experts", tokens * shape.hidden * width))
+    columns = tokens * (shape.moe_ffn // shape.etp)
+    terms.extend(_mlp_activation(columns, width, shape.swiglu, "experts"))
+    terms.append(Term("activation x probability", "moe_act", columns * width + tokens * FP32))
     if shape.shared_ffn:
-        terms.append(Term("shared expert input", "shared_experts", full * width, True))
         terms.extend(_mlp_activation(s * b * shape.shared_ffn // shape.tp, width, shape.swiglu, "shared_experts"))
     return terms
 
@@ -440,8 +443,9 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
 
 
 def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
-    """The largest temporary: inside a layer's backward (the scores' gradient twice — softmax and dropout — or
-    fc1's output gradient twice, plus the layer input's gradient), HSDP level 3's gathered layer, or the
+    """The largest temporary: inside a layer's backward (the scores' gradient or fc1's output gradient, and the
+    gradients of the layer's input and output: the tensors the backward frees as it goes make room for the
+    rest), HSDP level 3's gathered layer, or the
     optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
@@ -450,7 +454,7 @@ def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
-    backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
+    backward = max(scores, fc1) + 2 * s * b * shape.hidden * width
     level, _ = _hsdp(args)
     if level == 3 and shape.layers_on(rank):
         backward += max(sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)) * width
