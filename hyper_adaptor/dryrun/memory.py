@@ -405,7 +405,7 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     per_chunk, extra = inflight(shape, args, rank)
     width = BYTES[shape.dtype]
     layer_input = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width // (shape.tp if shape.sp else 1)
-    device = host = rebuilt = 0
+    device = host = rebuilt = swapped_back = 0
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
     for chunk, count in zip(shape.chunks_on(rank), per_chunk, strict=True):
@@ -421,9 +421,15 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
                 continue
             device += count * dev + extra * wgrad
             host += count * hst
+            swapped_back = max(swapped_back, hst)
     if shape.is_first_stage(rank) and args.hidden_dropout > 0:
         mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
         device += per_chunk[0] * layer_input // width * mask  # the embedding's dropout
+    if host:
+        # on the device at the peak (the first backward): the layer whose forward just ended, not yet swapped
+        # out, the one in backward and the --swap-prefetch-layers loaded ahead of it
+        layers = len(shape.layers_on(rank))
+        device += swapped_back * min(layers, 2 + (asked(args, "swap_prefetch_layers", 1) or 0))
     return device + rebuilt, host
 
 
@@ -443,9 +449,9 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
 
 
 def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
-    """The largest temporary: inside a layer's backward (the scores' gradient or fc1's output gradient, and the
-    gradients of the layer's input and output: the tensors the backward frees as it goes make room for the
-    rest), HSDP level 3's gathered layer, or the
+    """The largest temporary: inside a layer's backward (softmax's backward makes the scores' gradient while the
+    probabilities' gradient is alive, or fc1's output gradient twice; plus the layer input's and output's
+    gradients), HSDP level 3's gathered layer, or the
     optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
@@ -454,7 +460,7 @@ def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
-    backward = max(scores, fc1) + 2 * s * b * shape.hidden * width
+    backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
     level, _ = _hsdp(args)
     if level == 3 and shape.layers_on(rank):
         backward += max(sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)) * width

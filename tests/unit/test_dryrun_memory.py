@@ -254,3 +254,15 @@ def test_layer_activations_match_what_megatron_saves(megatron_world, extra):
     measured = sum(n for w, n in saved.values() if w == "layer")
     # an MoE layer's experts get uneven token counts; their sum is s x b x topk, which the formula counts
     assert measured == sum(t.nbytes for t in memory.layer_terms(shape, args, bool(shape.moe_pattern[1])))
+
+
+def test_swap_moves_attention_to_host_but_keeps_the_layers_in_flight():
+    args, shape = run("--swap-attention --swap-prefetch-layers 1 --min-offloaded-tensor-size 0")
+    # self_attn = qkv_linear + core_attn + attn_proj: qkv input, q k v, softmax, dropout mask and output, proj input
+    attention = SBH + 3 * SBH + 3 * 2 * 4 * 32 * 32 * 4 + SBH
+    device, host = memory.activations(shape, args, 0)
+    assert host == 4 * attention                       # 4 layers, one micro-batch in flight
+    # on the device: the rest of every layer, the embedding's dropout mask, and 2 + 1 (prefetched) layers' attention
+    assert device == 4 * (LAYER_ACTIVATIONS - attention) + SBH + 3 * attention
+    args, shape = run("--swap-attention")                 # megatron's 1 MiB floor: these tensors all stay
+    assert memory.activations(shape, args, 0) == (4 * LAYER_ACTIVATIONS + SBH, 0)
