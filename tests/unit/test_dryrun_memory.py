@@ -166,6 +166,7 @@ def test_prediction_groups_equal_ranks_and_peak_is_the_sum():
 @pytest.fixture(scope="module")
 def megatron_world():
     import torch.distributed as dist
+
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
