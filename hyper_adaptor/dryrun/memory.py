@@ -263,7 +263,13 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
     norm("attn_norm")
     terms.append(Term("qkv input", "qkv_linear", full * width, True))
     terms.append(Term("q, k, v", "core_attn", s * b * (shape.heads + 2 * shape.kv_heads) * d // tp * width))
-    scores = b * heads * s * shape.seq  # queries of this CP rank against every key
+    if _blockwise_cp(shape, args):
+        # the adaptor's ring / hybrid / all-gather attention keeps the output and the log-sum-exp and
+        # rebuilds each block's scores in backward
+        terms.append(Term("attention output", "core_attn", s * b * heads * d * width))
+        terms.append(Term("attention log-sum-exp", "core_attn", b * heads * s * FP32))
+        return _after_attention(shape, args, terms, full, sb, width, mask, norm)
+    scores = b * heads * s * shape.seq  # queries of this CP rank against every key (Ulysses: a / CP heads, all)
     softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
     terms.append(Term("softmax output", "core_attn", scores * (FP32 if softmax_fp32 else width)))
     if softmax_fp32:
@@ -271,19 +277,34 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
     if args.attention_dropout > 0:
         terms.append(Term("attention dropout mask", "core_attn", scores * mask))
         terms.append(Term("attention dropout output", "core_attn", scores * width))
-    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * d // tp * width, True))
+    return _after_attention(shape, args, terms, full, sb, width, mask, norm, moe)
+
+
+def _after_attention(shape, args, terms, full, sb, width, mask, norm, moe=False) -> list[Term]:
+    """layer_terms from linear_proj on."""
+    s, b, tp = shape.seq // shape.cp, shape.micro_batch, shape.tp
+    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * shape.head_dim // tp * width, True))
     if args.hidden_dropout > 0:
         terms.append(Term("attention residual dropout mask", "bda", full * mask))
     norm("mlp_norm")
-    ffn = shape.ffn // tp
     if moe:
         terms.extend(_moe_terms(shape, args, full, width))
     else:
         terms.append(Term("fc1 input", "mlp", full * width, True))
-        terms.extend(_mlp_activation(s * b * ffn, width, shape.swiglu, "mlp"))
+        terms.extend(_mlp_activation(s * b * (shape.ffn // tp), width, shape.swiglu, "mlp"))
     if args.hidden_dropout > 0:
         terms.append(Term("mlp residual dropout mask", "bda", full * mask))
     return terms
+
+
+def _blockwise_cp(shape: ModelShape, args) -> bool:
+    """Context parallel by the adaptor's blockwise attention (every algorithm but Ulysses)."""
+    if shape.cp == 1:
+        return False
+    from hyper_adaptor.features import FEATURES
+
+    feature = next(f for f in FEATURES if f.name == "context_parallel")
+    return feature.algorithm(args) != "ulysses"
 
 
 def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list[Term]:
@@ -456,7 +477,7 @@ def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
     s, b = shape.seq // shape.cp, shape.micro_batch
-    scores = b * shape.heads // shape.tp * s * shape.seq * width
+    scores = b * shape.heads // shape.tp * s * (s if _blockwise_cp(shape, args) else shape.seq) * width
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
