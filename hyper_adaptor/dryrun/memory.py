@@ -263,13 +263,13 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
     norm("attn_norm")
     terms.append(Term("qkv input", "qkv_linear", full * width, True))
     terms.append(Term("q, k, v", "core_attn", s * b * (shape.heads + 2 * shape.kv_heads) * d // tp * width))
-    if _blockwise_cp(shape, args):
-        # the adaptor's ring / hybrid / all-gather attention keeps the output and the log-sum-exp and
-        # rebuilds each block's scores in backward
+    if shape.cp > 1:
+        # the adaptor's context-parallel attention (every algorithm) keeps the output and the log-sum-exp and
+        # rebuilds the scores in backward (Ulysses: whole, on a / CP heads; the others a block at a time)
         terms.append(Term("attention output", "core_attn", s * b * heads * d * width))
         terms.append(Term("attention log-sum-exp", "core_attn", b * heads * s * FP32))
         return _after_attention(shape, args, terms, full, sb, width, mask, norm)
-    scores = b * heads * s * shape.seq  # queries of this CP rank against every key (Ulysses: a / CP heads, all)
+    scores = b * heads * s * shape.seq
     softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
     terms.append(Term("softmax output", "core_attn", scores * (FP32 if softmax_fp32 else width)))
     if softmax_fp32:
