@@ -263,7 +263,13 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
     norm("attn_norm")
     terms.append(Term("qkv input", "qkv_linear", full * width, True))
     terms.append(Term("q, k, v", "core_attn", s * b * (shape.heads + 2 * shape.kv_heads) * d // tp * width))
-    scores = b * heads * s * shape.seq  # queries of this CP rank against every key
+    if shape.cp > 1:
+        # the adaptor's context-parallel attention (every algorithm) keeps the output and the log-sum-exp and
+        # rebuilds the scores in backward (Ulysses: whole, on a / CP heads; the others a block at a time)
+        terms.append(Term("attention output", "core_attn", s * b * heads * d * width))
+        terms.append(Term("attention log-sum-exp", "core_attn", b * heads * s * FP32))
+        return _after_attention(shape, args, terms, full, sb, width, mask, norm)
+    scores = b * heads * s * shape.seq
     softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
     terms.append(Term("softmax output", "core_attn", scores * (FP32 if softmax_fp32 else width)))
     if softmax_fp32:
@@ -271,19 +277,34 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
     if args.attention_dropout > 0:
         terms.append(Term("attention dropout mask", "core_attn", scores * mask))
         terms.append(Term("attention dropout output", "core_attn", scores * width))
-    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * d // tp * width, True))
+    return _after_attention(shape, args, terms, full, sb, width, mask, norm, moe)
+
+
+def _after_attention(shape, args, terms, full, sb, width, mask, norm, moe=False) -> list[Term]:
+    """layer_terms from linear_proj on."""
+    s, b, tp = shape.seq // shape.cp, shape.micro_batch, shape.tp
+    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * shape.head_dim // tp * width, True))
     if args.hidden_dropout > 0:
         terms.append(Term("attention residual dropout mask", "bda", full * mask))
     norm("mlp_norm")
-    ffn = shape.ffn // tp
     if moe:
         terms.extend(_moe_terms(shape, args, full, width))
     else:
         terms.append(Term("fc1 input", "mlp", full * width, True))
-        terms.extend(_mlp_activation(s * b * ffn, width, shape.swiglu, "mlp"))
+        terms.extend(_mlp_activation(s * b * (shape.ffn // tp), width, shape.swiglu, "mlp"))
     if args.hidden_dropout > 0:
         terms.append(Term("mlp residual dropout mask", "bda", full * mask))
     return terms
+
+
+def _blockwise_cp(shape: ModelShape, args) -> bool:
+    """Context parallel by the adaptor's blockwise attention (every algorithm but Ulysses)."""
+    if shape.cp == 1:
+        return False
+    from hyper_adaptor.features import FEATURES
+
+    feature = next(f for f in FEATURES if f.name == "context_parallel")
+    return feature.algorithm(args) != "ulysses"
 
 
 def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list[Term]:
@@ -297,19 +318,22 @@ def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list
 
 
 def _moe_terms(shape: ModelShape, args, full: int, width: int) -> list[Term]:
-    """An MoE layer's MLP part. Assumption: balanced routing, so each rank's experts get on average
-    s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank, tokens
-    from the EP group's ranks)."""
+    """An MoE layer's MLP part: the router's input and its routing tensors (top-k indices int64 and
+    probabilities fp32 per token, the experts' bool routing map and fp32 probabilities, the permutation's int64
+    indices), the permuted tokens, and per expert fc1's output, the activation's and the activation scaled by
+    the routing probability (with those probabilities). Assumption: balanced routing, so each rank's experts get
+    on average s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank,
+    tokens from the EP group's ranks)."""
     s, b = shape.seq // shape.cp, shape.micro_batch
     tokens = s * b * shape.topk
-    terms = [Term("router input", "moe", full * width),
-             Term("router logits, probabilities", "moe", 3 * s * b * shape.num_experts * FP32),
+    routing = s * b * shape.topk * (8 + FP32) + s * b * shape.num_experts * (1 + FP32) + tokens * 8
+    # the pre-MLP norm's output: the router's input, and the shared experts' (one storage)
+    terms = [Term("router input", "moe", full * width, True), Term("routing", "moe", routing),
              Term("permuted tokens", "experts", tokens * shape.hidden * width, True)]
-    for term in _mlp_activation(tokens * (shape.moe_ffn // shape.etp), width, shape.swiglu, "experts"):
-        terms.append(term)
-    terms.append(Term("expert output (unpermute)", "experts", tokens * shape.hidden * width))
+    columns = tokens * (shape.moe_ffn // shape.etp)
+    terms.extend(_mlp_activation(columns, width, shape.swiglu, "experts"))
+    terms.append(Term("activation x probability", "moe_act", columns * width + tokens * FP32))
     if shape.shared_ffn:
-        terms.append(Term("shared expert input", "shared_experts", full * width, True))
         terms.extend(_mlp_activation(s * b * shape.shared_ffn // shape.tp, width, shape.swiglu, "shared_experts"))
     return terms
 
@@ -402,7 +426,7 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     per_chunk, extra = inflight(shape, args, rank)
     width = BYTES[shape.dtype]
     layer_input = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width // (shape.tp if shape.sp else 1)
-    device = host = rebuilt = 0
+    device = host = rebuilt = swapped_back = 0
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
     for chunk, count in zip(shape.chunks_on(rank), per_chunk, strict=True):
@@ -418,9 +442,15 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
                 continue
             device += count * dev + extra * wgrad
             host += count * hst
+            swapped_back = max(swapped_back, hst)
     if shape.is_first_stage(rank) and args.hidden_dropout > 0:
         mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
         device += per_chunk[0] * layer_input // width * mask  # the embedding's dropout
+    if host:
+        # on the device at the peak (the first backward): the layer whose forward just ended, not yet swapped
+        # out, the one in backward and the --swap-prefetch-layers loaded ahead of it
+        layers = len(shape.layers_on(rank))
+        device += swapped_back * min(layers, 2 + (asked(args, "swap_prefetch_layers", 1) or 0))
     return device + rebuilt, host
 
 
@@ -440,13 +470,14 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
 
 
 def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
-    """The largest temporary: inside a layer's backward (the scores' gradient twice — softmax and dropout — or
-    fc1's output gradient twice, plus the layer input's gradient), HSDP level 3's gathered layer, or the
+    """The largest temporary: inside a layer's backward (softmax's backward makes the scores' gradient while the
+    probabilities' gradient is alive, or fc1's output gradient twice; plus the layer input's and output's
+    gradients), HSDP level 3's gathered layer, or the
     optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
     s, b = shape.seq // shape.cp, shape.micro_batch
-    scores = b * shape.heads // shape.tp * s * shape.seq * width
+    scores = b * shape.heads // shape.tp * s * (s if _blockwise_cp(shape, args) else shape.seq) * width
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)

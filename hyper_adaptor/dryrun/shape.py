@@ -16,7 +16,7 @@ every tensor-parallel rank), ``linear_fc1`` (column parallel, twice the width un
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hyper_adaptor import usage
 
@@ -117,7 +117,6 @@ class ModelShape:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
     schedule: str = ""            # the adaptor's --pipeline-schedule, "" for megatron's own
-    extra: dict = field(default_factory=dict, compare=False)
 
     @property
     def num_micro_batches(self) -> int:
@@ -304,7 +303,3 @@ class ModelShape:
         for part, n in self.tensors_on(rank):
             counts[part] = counts.get(part, 0) + n
         return counts
-
-    def expert_params_on(self, rank: int) -> int:
-        """The part of params_on that megatron's DDP puts in the expert buffers (reduced over expert DP)."""
-        return self.params_on(rank).get("experts", 0)

@@ -166,6 +166,7 @@ def test_prediction_groups_equal_ranks_and_peak_is_the_sum():
 @pytest.fixture(scope="module")
 def megatron_world():
     import torch.distributed as dist
+
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -221,8 +222,11 @@ def test_parameter_counts_match_megatrons_model(megatron_world, extra):
     assert counted == shape.params_on(0)
 
 
-@pytest.mark.parametrize("extra", ["", "--bf16 --swiglu --normalization RMSNorm --attention-dropout 0"],
-                         ids=["fp32-layernorm-gelu", "bf16-rmsnorm-swiglu"])
+@pytest.mark.parametrize("extra", [
+    "", "--bf16 --swiglu --normalization RMSNorm --attention-dropout 0",
+    "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --disable-bias-linear --swiglu "
+    "--moe-shared-expert-intermediate-size 64",
+], ids=["fp32-layernorm-gelu", "bf16-rmsnorm-swiglu", "moe-swiglu-shared"])
 def test_layer_activations_match_what_megatron_saves(megatron_world, extra):
     """Storages megatron's second layer saves for backward (parameters and storages saved before it left out),
     against layer_terms; without the formula's terms this fails by their size."""
@@ -249,4 +253,26 @@ def test_layer_activations_match_what_megatron_saves(megatron_world, extra):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(tokens, torch.arange(s).expand(b, s), mask, labels=tokens)
     measured = sum(n for w, n in saved.values() if w == "layer")
-    assert measured == sum(t.nbytes for t in memory.layer_terms(shape, args))
+    # an MoE layer's experts get uneven token counts; their sum is s x b x topk, which the formula counts
+    assert measured == sum(t.nbytes for t in memory.layer_terms(shape, args, bool(shape.moe_pattern[1])))
+
+
+def test_swap_moves_attention_to_host_but_keeps_the_layers_in_flight():
+    args, shape = run("--swap-attention --swap-prefetch-layers 1 --min-offloaded-tensor-size 0")
+    # self_attn = qkv_linear + core_attn + attn_proj: qkv input, q k v, softmax, dropout mask and output, proj input
+    attention = SBH + 3 * SBH + 3 * 2 * 4 * 32 * 32 * 4 + SBH
+    device, host = memory.activations(shape, args, 0)
+    assert host == 4 * attention                       # 4 layers, one micro-batch in flight
+    # on the device: the rest of every layer, the embedding's dropout mask, and 2 + 1 (prefetched) layers' attention
+    assert device == 4 * (LAYER_ACTIVATIONS - attention) + SBH + 3 * attention
+    args, shape = run("--swap-attention")                 # megatron's 1 MiB floor: these tensors all stay
+    assert memory.activations(shape, args, 0) == (4 * LAYER_ACTIVATIONS + SBH, 0)
+
+
+def test_context_parallel_keeps_no_scores():
+    for algo in ("ring", "ulysses"):
+        args, shape = run(f"--context-parallel-size 2 --context-parallel-algo {algo}", 2)
+        names = {t.name: t.nbytes for t in memory.layer_terms(shape, args)}
+        assert "softmax output" not in names
+        # s = 32 / 2 = 16 local tokens: the output 16 x 2 x 64 and the log-sum-exp 2 x 4 heads x 16, fp32
+        assert names["attention output"] == SBH // 2 and names["attention log-sum-exp"] == 2 * 4 * 16 * 4
