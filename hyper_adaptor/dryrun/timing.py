@@ -540,7 +540,7 @@ def predict_time(args, calibration, shape=None) -> StepTime:
 
     first_rank = rank * (d.world // d.pp)
     params = shape.params_on(first_rank)
-    expert = float(shape.expert_params_on(first_rank))
+    expert = float(shape.params_on(first_rank).get("experts", 0))
     dense = float(sum(params.values())) - expert
     dp_time, dp_bytes = _dp_time(cal, d, o, args, dense, expert, m)
     if o.overlap_dp and dp_time:
