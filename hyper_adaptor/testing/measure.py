@@ -274,12 +274,16 @@ class StorageTracker(TorchDispatchMode):
             else:  # seen again with more bytes: resized by an out= operator
                 serial = known[3]
             self.tracked[key] = (size, str(func.overloadpacket), weakref.ref(storage), serial)
-            self.timeline.append((serial, size - counted))
-            self.live += size - counted
-            self.high = max(self.high, self.live)
-            if self.live > self.peak:
-                self.peak = self.live
-                self.at_peak = list(self.tracked.values())
+            self._grow(serial, size - counted)
+
+    def _grow(self, serial, delta) -> None:
+        # under self.lock: a tracked storage's bytes changed by ``delta`` (created or resized)
+        self.timeline.append((serial, delta))
+        self.live += delta
+        self.high = max(self.high, self.live)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.at_peak = list(self.tracked.values())
 
     def _freed(self, key) -> None:
         with self.lock:

@@ -126,12 +126,7 @@ class TieredTracker(StorageTracker):
                 return
             counted, op, ref, serial = known
             self.tracked[key] = (size, op, ref, serial)
-            self.timeline.append((serial, size - counted))
-            self.live += size - counted
-            self.high = max(self.high, self.live)
-            if self.live > self.peak:
-                self.peak = self.live
-                self.at_peak = list(self.tracked.values())
+            self._grow(serial, size - counted)
 
 
 # ------------------------------------------------------------------------------------------ classification
