@@ -236,10 +236,10 @@ class _Options:
         schedule = get("pipeline_schedule") or ("interleaved" if d.chunks > 1 else "1f1b")
         algo, degree = "ring", 1
         if d.cp > 1:
-            from hyper_adaptor.features.context_parallel import ContextParallel, _ulysses_degree
+            from hyper_adaptor.features.context_parallel import ContextParallel, ulysses_degree
 
             algo = ContextParallel().algorithm(args)
-            degree = _ulysses_degree(args, algo) or 1
+            degree = ulysses_degree(args, algo) or 1
         engine = get("moe_dispatcher_engine", "megatron") == "hyper"
         dispatcher = "alltoall" if engine else get("moe_token_dispatcher_type", "allgather")
         if get("use_hsdp", False):

@@ -48,7 +48,7 @@ def _asked_algo(args) -> str | None:
     return None if name is None else ALGO_NAMES[name]
 
 
-def _ulysses_degree(args, algo: str) -> int:
+def ulysses_degree(args, algo: str) -> int:
     """Ranks of one Ulysses all-to-all: the whole CP group for Ulysses, none for ring / all-gather."""
     size = cp_size(args)
     if algo == "ulysses":
@@ -138,12 +138,12 @@ class ContextParallel(Feature):
             if hier and degree is not None and hier[0] != degree:
                 raise FeatureConfigError(f"--ulysses-degree-in-cp {degree} and --hierarchical-context-parallel-sizes "
                                          f"{' '.join(map(str, hier))} disagree (the first size is the Ulysses degree)")
-        elif degree is not None and degree != _ulysses_degree(args, algo):
+        elif degree is not None and degree != ulysses_degree(args, algo):
             raise FeatureConfigError(f"--ulysses-degree-in-cp {degree} is for the hybrid algorithm; "
                                      f"the {algo} algorithm was chosen")
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         heads = getattr(args, "num_attention_heads", None)
-        ulysses = _ulysses_degree(args, algo)
+        ulysses = ulysses_degree(args, algo)
         if heads and ulysses > 1 and (heads % tp or (heads // tp) % ulysses):
             raise FeatureConfigError(
                 f"--context-parallel-algo {algo}: the attention heads per tensor-parallel rank "

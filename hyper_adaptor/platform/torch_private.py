@@ -62,6 +62,8 @@ APIS: tuple[PrivateTorchAPI, ...] = (
                     "dispatch-level interception (memory accounting, measurement)"),
     PrivateTorchAPI("torch.utils._python_dispatch.is_traceable_wrapper_subclass", ("testing/measure.py",),
                     "tells DTensor-like wrappers apart while measuring"),
+    PrivateTorchAPI("torch.utils._python_dispatch._get_current_dispatch_mode", ("testing/peak_run.py",),
+                    "which dispatch mode is innermost when a measured run's tracker is left", ("2.13.0",)),
     PrivateTorchAPI("torch.utils._device._device_constructors", ("patches/compat/torch_cpu.py",),
                     "built before the cuda-on-host wraps so the default-device context keeps torch's own factories"),
     PrivateTorchAPI("torch.autograd.Variable._execution_engine", ("parallel/hsdp/_state.py",),
