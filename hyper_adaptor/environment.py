@@ -54,6 +54,8 @@ class Variable:
     meaning: str
 
 
+CACHE_ENV = "HYPER_ADAPTOR_CACHE"  # read by the dry-run's calibration (hyper_adaptor/dryrun/calibrate.py)
+
 VARIABLES = (
     Variable(platform.DEVICE_ENV, _one_of("auto", *platform.DEVICE_TYPES),
              "the device, as --device-type (a launcher's children inherit the parent's choice)"),
@@ -63,6 +65,8 @@ VARIABLES = (
              "the optimization level of a TransformerConfig built without a command line"),
     Variable(megatron_version.ALLOW_ENV, lambda value: None if value.strip() else "must not be empty",
              "a megatron-core release to run although it is not supported (its version, or 'any')"),
+    Variable(CACHE_ENV, lambda value: None if value.strip() else "must not be empty",
+             "the directory of the dry-run's cached machine calibration (default ~/.cache/hyper_adaptor)"),
 )
 # megatron.training's parse_args reads these as integers (torchrun sets them); describe reads WORLD_SIZE.
 LAUNCHER_VARIABLES = (

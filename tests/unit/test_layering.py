@@ -86,7 +86,7 @@ def upward(importer: str, imported: str) -> str | None:
         return None
     # the dry-run's calibration is a micro-benchmark of the machine: it starts its worlds as the benches do
     if imported.startswith("hyper_adaptor.testing") and not importer.startswith("hyper_adaptor.testing") \
-            and importer != "hyper_adaptor.dryrun.calibrate":
+            and importer != "hyper_adaptor.dryrun.calibrate_worlds":
         return "hyper_adaptor.testing is for tests and benches; the library never imports it"
     if own == "platform" and other != "platform":
         return "platform imports nothing of hyper_adaptor but itself"
