@@ -293,21 +293,16 @@ def _host_tier(tracker: TieredTracker) -> None:
     from hyper_adaptor import platform
     from hyper_adaptor.memory import optimizer_offload
 
-    host_buffer = platform.host_buffer
+    def on_host(fn):
+        @functools.wraps(fn)
+        def marked(*args, **kwargs):
+            with tracker.host():
+                return fn(*args, **kwargs)
+        return marked
 
-    @functools.wraps(host_buffer)
-    def marked_host_buffer(*args, **kwargs):
-        with tracker.host():
-            return host_buffer(*args, **kwargs)
-
-    platform.host_buffer = marked_host_buffer
+    platform.host_buffer = on_host(platform.host_buffer)
     cls = optimizer_offload.OffloadOptimizer
-    master, step = cls._master, cls.step
-
-    @functools.wraps(master)
-    def marked_master(self, p):
-        with tracker.host():
-            return master(self, p)
+    step = cls.step
 
     @functools.wraps(step)
     def marked_step(self, closure=None):
@@ -319,17 +314,10 @@ def _host_tier(tracker: TieredTracker) -> None:
                     m.grad = torch.empty(m.shape, dtype=m.dtype, device="cpu", pin_memory=self.pin_memory)
         inner = self.host_optimizer
         if inner is not None and "step" not in vars(inner):
-            inner_step = inner.step
-
-            @functools.wraps(inner_step)
-            def host_step(*args, **kwargs):
-                with tracker.host():
-                    return inner_step(*args, **kwargs)
-
-            inner.step = host_step
+            inner.step = on_host(inner.step)
         return step(self, closure)
 
-    cls._master, cls.step = marked_master, marked_step
+    cls._master, cls.step = on_host(cls._master), marked_step
 
 
 def _rank_main(argv: list[str]) -> None:
