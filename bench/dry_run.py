@@ -179,7 +179,8 @@ def run(args) -> dict:
                for r in rows if r.get("worst_ratio") is not None]
     return {
         "bench": "dry_run", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": "python bench/dry_run.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/dry_run.py" + (" --quick" if args.quick else "")
+                   + (f" --rows {' '.join(args.rows)}" if args.rows else ""),
         "model": " ".join(model), "tracked_iterations": args.iters, "timed_iterations": args.timed_iters,
         "method": "peak: hyper_adaptor.testing.peak_run (live CPU tensor storages created from the model build "
                   "through the last tracked iteration; host tier apart); step time: median of the untracked "
@@ -263,7 +264,8 @@ def main(argv=None):
         args.iters = min(args.iters, 2)
         args.timed_iters = min(args.timed_iters, 1)
     result = run(args)
-    return report(result, table(result), args.json, quick=args.quick)
+    # a subset of the rows is a partial result: beside the recorded matrix (as --quick's), never over it
+    return report(result, table(result), args.json, quick=args.quick or bool(args.rows))
 
 
 if __name__ == "__main__":
