@@ -9,7 +9,8 @@ that has imported torch pays that once per run instead of once per rank (and tor
 at all). Everything else is what a torchrun rank sees: the environment variables torchrun sets, the
 script run as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python script.py`` would give,
 hyper_adaptor's one line and megatron imported fresh in every rank (neither is preloaded), one
-interpreter exit per rank (non-daemon threads joined, atexit handlers run). A rank that fails ends the
+interpreter exit per rank (the interpreter's own: thread pools shut down, non-daemon threads joined, atexit
+handlers run). A rank that fails ends the
 run, the others are stopped, and the exit status is the failed rank's, as torchrun's is.
 
 Not a torchrun replacement for users: no restarts, no rendezvous, one node. The tests of what torchrun
@@ -19,12 +20,10 @@ itself does (restarts after a failure, the README's demo, Megatron-LM's own scri
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
 import runpy
 import signal
 import sys
-import threading
 import time
 import traceback
 
@@ -64,10 +63,13 @@ def _exit_status(code) -> int:
     return 1
 
 
-def _run_rank(rank: int, options) -> None:
-    """The forked child: run the script as ``python script.py`` would, then exit as an interpreter does.
-    Never returns (the launcher's own code after fork must not run in a rank)."""
-    status = 1
+def _run_rank(rank: int, options) -> int:
+    """The forked child: run the script as ``python script.py`` would and return its exit status, which
+    ``main`` returns at once, so that the rank ends through the interpreter's own exit and no launcher code
+    after the fork runs in it. The interpreter's exit, not a hand-made one: it shuts down every
+    ``concurrent.futures`` pool (whose idle workers are non-daemon threads that wait for that signal) before
+    it joins the non-daemon threads, then runs the atexit handlers. Joining those threads by hand hung a rank
+    whose pool was still referenced (torch inductor's compile pool, for one, lives as long as the process)."""
     try:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -78,27 +80,13 @@ def _run_rank(rank: int, options) -> None:
         script = os.path.abspath(options.script)
         sys.argv = [options.script, *options.script_args]
         sys.path[0] = os.path.dirname(script)
-        try:
-            runpy.run_path(script, run_name="__main__")
-            status = 0
-        except SystemExit as stop:
-            status = _exit_status(stop.code)
-        except BaseException:
-            traceback.print_exc()
-            status = 1
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join()
-        atexit._run_exitfuncs()
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as stop:
+        return _exit_status(stop.code)
     except BaseException:
         traceback.print_exc()
-        status = status or 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(status)
+        return 1
 
 
 def _stop(children: dict, grace: float = 10.0) -> None:
@@ -135,7 +123,7 @@ def main(argv=None) -> int:
     for rank in range(options.nproc_per_node):
         pid = os.fork()
         if pid == 0:
-            _run_rank(rank, options)
+            return _run_rank(rank, options)  # the rank leaves main() here and exits as an interpreter does
         children[pid] = rank
 
     def forward(signum, frame):

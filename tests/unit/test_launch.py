@@ -19,6 +19,11 @@ PROBE = textwrap.dedent("""
     skip = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", AGENT_STORE)
     line = "|".join(f"{k}={os.environ[k]}" for k in keys if k not in skip)
     atexit.register(print, "exit", os.environ["RANK"], flush=True)
+    # a thread pool that lives as long as the process (as torch inductor's compile pool does): its idle
+    # worker is a non-daemon thread that ends only when the interpreter's exit shuts the pool down
+    import concurrent.futures
+    concurrent.futures.pool_kept_by_probe = concurrent.futures.ThreadPoolExecutor(1)
+    concurrent.futures.pool_kept_by_probe.submit(int).result()
     print("store", os.environ[AGENT_STORE], flush=True)
     print("rank", os.environ["RANK"], __name__, sys.argv[1:], os.path.basename(sys.path[0]), line, flush=True)
     if "--fail" in sys.argv and os.environ["RANK"] == "1":
@@ -53,7 +58,9 @@ def test_a_rank_sees_what_a_torchrun_rank_sees(tmp_path):
     ranks = _lines(forked.stdout, "rank")
     assert len(ranks) == 2 and ranks == _lines(torchrun.stdout, "rank"), (ranks, torchrun.stdout)
     assert "__main__ ['--flag', 'x']" in ranks[0] and f" {tmp_path.name} " in ranks[0]
-    assert _lines(forked.stdout, "exit") == ["exit 0", "exit 1"]  # atexit ran in each rank
+    # atexit ran in each rank, after the interpreter's exit shut down the probe's pool (a hand-made exit that
+    # joined the non-daemon threads first waited for its worker forever: the launch timed out)
+    assert _lines(forked.stdout, "exit") == ["exit 0", "exit 1"]
     # the one difference: no agent hosts the rendezvous store, rank 0's process group does (env:// as without
     # torchrun)
     assert _lines(torchrun.stdout, "store") == ["store True"] * 2
