@@ -46,13 +46,14 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The whole suite (unit, distributed parity, end to end), after the linter. The unit tests run on two
-# workers (pytest-xdist; they are single-process and independent); the distributed and torchrun tests
-# one at a time (each spawns its own world of processes). Not yet on two workers: there, the 2-rank world
-# of tests/distributed/test_optimizer_offload_megatron.py hung (420 s, both ranks) when two copies ran at once.
+# The whole suite (unit, distributed parity, end to end), after the linter, each phase on two workers
+# (pytest-xdist). The unit tests are single-process and independent; the distributed and end-to-end tests
+# start worlds of ranks, and a file's tests share them (module fixtures), so a file stays on one worker
+# (--dist loadfile; xdist's loadgroup is ignored by the pinned pytest 9.2). One world alone leaves part of
+# the two cores idle while its ranks wait on each other; two at once keep both busy.
 test: lint
 	$(PY) -m pytest -q -n 2 --durations=20 $(PYTEST_ARGS) tests/unit
-	$(PY) -m pytest -q --durations=40 $(PYTEST_ARGS) tests/distributed tests/e2e tests/gpu
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=40 $(PYTEST_ARGS) tests/distributed tests/e2e tests/gpu
 
 # Without the end-to-end torchrun runs.
 test-fast: lint
@@ -83,7 +84,7 @@ torch-venv:
 
 test-torch: torch-venv
 	@rc=0; for phase in unit distributed; do \
-		if [ $$phase = unit ]; then workers="-n 2"; else workers=""; fi; \
+		if [ $$phase = unit ]; then workers="-n 2"; else workers="-n 2 --dist loadfile"; fi; \
 		echo "== torch $(TORCH): tests/$$phase (log: $(TORCH_VENV)/test-$$phase.log)"; \
 		$(TORCH_PY) -m pytest -q -rfE $$workers $(PYTEST_ARGS) tests/$$phase > $(TORCH_VENV)/test-$$phase.log 2>&1 \
 			|| rc=1; \
