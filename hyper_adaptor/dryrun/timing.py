@@ -456,11 +456,17 @@ def _dp_time(cal, d: Dims, o: _Options, args, dense: float, expert: float, m: in
 
 def predict_time(args, calibration, shape=None) -> StepTime:
     """Predicted step time of the run ``args`` describes (the namespace :func:`hyper_adaptor.dryrun.parse`
-    returns) on the machine ``calibration`` measured (:func:`hyper_adaptor.dryrun.calibrate.get`)."""
+    returns) on the machine ``calibration`` measured (:func:`hyper_adaptor.dryrun.calibrate.get`). ``shape``:
+    the run's :class:`ModelShape` when the caller has it (else read from ``args``); the flags beyond the shape
+    (schedule, CP algorithm, dispatcher, data-parallel mode, recompute, swap, optimizer) are read from ``args``."""
     d = Dims.from_shape(shape or ModelShape.from_args(args), args)
     o = _Options.from_args(args, d)
     if d.world % (d.tp * d.pp * d.cp):
         raise TimingError(f"--world-size {d.world} is not a multiple of TP x PP x CP = {d.tp * d.pp * d.cp}")
+    if d.dp * d.tp * d.pp * d.cp != d.world:
+        # a shape changed with dataclasses.replace (a planner's candidate) must change its DP size with it
+        raise TimingError(f"data-parallel size {d.dp} x TP {d.tp} x PP {d.pp} x CP {d.cp} is not --world-size "
+                          f"{d.world}")
     if d.num_micro_batches < 1 or d.global_batch % (d.micro_batch * d.dp):
         raise TimingError(f"--global-batch-size {d.global_batch} is not a multiple of --micro-batch-size "
                           f"{d.micro_batch} x data-parallel size {d.dp}")

@@ -1,7 +1,8 @@
 """The dry-run's step-time model (hyper_adaptor/dryrun/timing.py) and its calibration cache
 (hyper_adaptor/dryrun/calibrate.py): FLOPs of a hand-computed shape, the pipeline bubble through the
 simulator, the direction of each split, the communication formulas against the benches' own theory
-functions, and the cache's round trip. No real micro-benchmark beyond the quick one (< 2 s)."""
+functions, the cache's round trip, and the accuracy bench's rank correlation (bench/dry_run.py). No real
+micro-benchmark beyond the quick one (< 2 s)."""
 
 import argparse
 import dataclasses
@@ -207,6 +208,11 @@ def test_bad_layout_is_an_error_naming_the_flag():
         timing.predict_time(namespace(global_batch_size=6, world_size=2), fake_calibration())
     with pytest.raises(timing.TimingError, match="--world-size 3"):
         timing.predict_time(namespace(world_size=3, tensor_model_parallel_size=2), fake_calibration())
+    shape = ModelShape.from_args(namespace(world_size=4))
+    with pytest.raises(timing.TimingError, match="data-parallel size 4 x TP 2 x PP 1 x CP 1 is not --world-size 4"):
+        timing.predict_time(namespace(world_size=4), fake_calibration(), dataclasses.replace(shape, tp=2))
+    fixed = dataclasses.replace(shape, tp=2, dp=2)   # a candidate with its DP size changed too is priced
+    assert timing.predict_time(namespace(world_size=4), fake_calibration(), fixed).parts["tp_comm"] > 0
 
 
 # ------------------------------------------------------- the engines' theory, as the benches state it
@@ -328,3 +334,35 @@ def test_nominal_figures_for_an_absent_accelerator():
     # a bf16 GPT priced on the nominal GPU
     args = namespace(bf16=True, world_size=2, tensor_model_parallel_size=2)
     assert 0 < timing.predict_time(args, cal).total
+
+
+# ------------------------------------------------------------------ the accuracy bench's step-time summary
+def test_bench_spearman_against_hand_computed_values():
+    from bench.dry_run import spearman
+
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # no ties: 1 - 6 sum d^2 / (n (n^2 - 1)) = 1 - 6 x 4 / 120
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # ranks, not values: a monotone but far from linear relation is still 1
+    assert spearman([1, 2, 3, 4], [1, 10, 1000, 1e6]) == pytest.approx(1.0)
+    # ties share their mean rank: x ranks 1, 2.5, 2.5, 4 against 1..4 -> 4.5 / sqrt(4.5 x 5)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert spearman([1], [2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+    with pytest.raises(ValueError, match="3 values against 2"):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_bench_time_summary_uses_the_rows_with_both_times():
+    from bench.dry_run import time_summary
+
+    rows = [{"name": "a", "predicted_step_s": 0.2, "step_time_s": 0.1},
+            {"name": "b", "predicted_step_s": 0.4, "step_time_s": 0.8},
+            {"name": "c", "predicted_step_s": 1.0, "step_time_s": 1.0},
+            {"name": "failed", "predicted_step_s": None, "step_time_s": 0.5}]
+    summary = time_summary(rows)
+    assert summary["rows"] == ["a", "b", "c"]
+    assert summary["spearman"] == pytest.approx(1.0)
+    assert (summary["ratio_min"], summary["ratio_max"]) == (0.5, 2.0)
+    assert summary["ratio_geomean"] == pytest.approx(1.0)
+    assert summary["ratio_error_factor"] == pytest.approx(2 ** (2 / 3))
