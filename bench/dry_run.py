@@ -11,6 +11,7 @@ Run from the repository root (about 15 minutes on a 2-core machine)::
     python bench/dry_run.py                  # the whole matrix
     python bench/dry_run.py --quick          # 3 rows, a smaller model, 2 tracked iterations
     python bench/dry_run.py --rows dp2 tp2-sp  # some rows (names: --list)
+    python bench/dry_run.py --recalibrate    # measure the step-time calibration again first (an idle machine)
 """
 
 from __future__ import annotations
@@ -118,13 +119,17 @@ def _predictor():
     return predicted
 
 
-def _calibration():
-    """This machine's CPU calibration (the cache, or measured now after a line saying so), or None where
-    hyper_adaptor.dryrun's timing is absent."""
+def _calibration(recalibrate: bool = False):
+    """This machine's CPU calibration (the cache, or measured now after a line saying so; ``recalibrate``:
+    measured now whatever the cache holds), or None where hyper_adaptor.dryrun's timing is absent."""
     try:
+        from hyper_adaptor.dryrun import calibrate
         from hyper_adaptor.dryrun.report import calibration
     except ImportError:
         return None
+    if recalibrate:
+        print(f"calibrating this machine's cpu (--recalibrate), cached in {calibrate.cache_path('cpu')}", flush=True)
+        return calibrate.get("cpu", recalibrate=True)
     return calibration("cpu", sys.stdout)
 
 
@@ -245,7 +250,7 @@ def run(args) -> dict:
     predicted = _predictor()
     if predicted is None:
         print("hyper_adaptor.dryrun is not available: the predicted columns are '-'", flush=True)
-    calibration = _calibration()  # before the rows: a first calibration must not overlap a measured row
+    calibration = _calibration(args.recalibrate)  # before the rows: a first calibration must not overlap a measured row
     rows = [run_row(name, *ROWS[name], model, args.iters, args.timed_iters, predicted, args.timeout, calibration)
             for name in names]
     targets = [{"target": f"predicted / measured peak within {TOLERANCE:.0%} on every rank", "where": r["name"],
@@ -262,7 +267,8 @@ def run(args) -> dict:
     return {
         "bench": "dry_run", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python bench/dry_run.py" + (" --quick" if args.quick else "")
-                   + (f" --rows {' '.join(args.rows)}" if args.rows else ""),
+                   + (f" --rows {' '.join(args.rows)}" if args.rows else "")
+                   + (" --recalibrate" if args.recalibrate else ""),
         "model": " ".join(model), "tracked_iterations": args.iters, "timed_iterations": args.timed_iters,
         "method": "peak: hyper_adaptor.testing.peak_run (live CPU tensor storages created from the model build "
                   "through the last tracked iteration; host tier apart); step time: median of the untracked "
@@ -367,6 +373,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=600, help="seconds per row")
     parser.add_argument("--quick", action="store_true", help=f"rows {', '.join(QUICK_ROWS)}, a 2-layer hidden-64 "
                                                              "model, 2 tracked iterations")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure this machine's calibration again before the rows (on an idle machine, as the "
+                             "rows are), replacing the cached one the predicted step time otherwise uses")
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
     if args.list:
