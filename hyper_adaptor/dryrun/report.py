@@ -99,7 +99,7 @@ def calibration(device: str, out) -> calibrate.Calibration:
     """This machine's calibration of ``device``: the cache, or measured now after a line saying so; nominal
     figures for an accelerator this machine does not have (labelled assumed by :func:`source`)."""
     if calibrate.load(device) is None and calibrate.available(device):
-        print(f"calibrating this machine's {device} once (about a minute on a small CPU; --no-time skips it), "
+        print(f"calibrating this machine's {device} once (about a minute; --no-time skips it), "
               f"cached in {calibrate.cache_path(device)}", file=out, flush=True)
     return calibrate.get(device, allow_nominal=True)
 
@@ -154,8 +154,8 @@ def main(flags: list[str], out=None) -> int:
         print("usage: python -m hyper_adaptor dry-run [megatron and hyper_adaptor flags] --world-size N "
               "[--device-memory GiB] [--device npu|cuda|cpu] [--no-time]\n\nPredicts each rank's peak device "
               "memory by part (MiB) without building the model, and the step time by part from this machine's "
-              "calibration (measured once, cached; --no-time skips both); docs/features/dry-run.md says what "
-              "each part counts.", file=out)
+              "calibration (measured once, then cached; --no-time: memory only, nothing measured); "
+              "docs/features/dry-run.md says what each part counts.", file=out)
         return 0
     args = parse(flags)
     prediction = predict(args)

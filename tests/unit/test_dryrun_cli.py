@@ -123,7 +123,7 @@ def test_first_run_says_it_calibrates_before_measuring_then_reads_the_cache(caps
     monkeypatch.setattr(calibrate, "measure", measuring)
     assert cli.main(["dry-run", *MODEL, "--world-size", "1"]) == 0
     assert len(printed_before) == 1
-    assert f"calibrating this machine's cpu once (about a minute on a small CPU; --no-time skips it), cached in " \
+    assert f"calibrating this machine's cpu once (about a minute; --no-time skips it), cached in " \
            f"{path}" in printed_before[0]
     assert path.exists() and "2026-11-27T14:00:00Z" in capsys.readouterr().out
     assert cli.main(["dry-run", *MODEL, "--world-size", "1"]) == 0   # cached: not measured, nothing said
