@@ -2,20 +2,23 @@
 against the peak measured on a real megatron.training run of the same command line on CPU
 (hyper_adaptor/testing/peak_run.py: the benches' storage tracker from the model build through the last
 tracked iteration), over a matrix of configurations that together use every feature the prediction
-models; the measured and predicted parts at the peak side by side; measured step time (and a column for
-the predicted one).
+models; the measured and predicted parts at the peak side by side; the measured step time against
+``hyper_adaptor.dryrun.timing.predict_time`` on this machine's calibration (measured once and cached, about a
+minute the first time): the ratio per row and the Spearman rank correlation over the rows.
 
 Run from the repository root (about 15 minutes on a 2-core machine)::
 
     python bench/dry_run.py                  # the whole matrix
     python bench/dry_run.py --quick          # 3 rows, a smaller model, 2 tracked iterations
     python bench/dry_run.py --rows dp2 tp2-sp  # some rows (names: --list)
+    python bench/dry_run.py --recalibrate    # measure the step-time calibration again first (an idle machine)
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -31,6 +34,7 @@ from hyper_adaptor.testing.peak_run import measure  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "bench" / "results" / "dry_run.json"
 TOLERANCE = 0.10
+SPEARMAN_TARGET = 0.9
 
 # A GPT small enough for 2-4 CPU ranks under the tracker, large enough that parameters, optimizer state,
 # activations (attention scores are seq^2 per head) and logits are each a visible share of the peak.
@@ -115,14 +119,78 @@ def _predictor():
     return predicted
 
 
-def _predicted_time(flags: list[str], nproc: int):
-    """The predicted step time (s): the timing model's column, None until it is wired in."""
-    return None
+def _calibration(recalibrate: bool = False):
+    """This machine's CPU calibration (the cache, or measured now after a line saying so; ``recalibrate``:
+    measured now whatever the cache holds), or None where hyper_adaptor.dryrun's timing is absent."""
+    try:
+        from hyper_adaptor.dryrun import calibrate
+        from hyper_adaptor.dryrun.report import calibration
+    except ImportError:
+        return None
+    if recalibrate:
+        print(f"calibrating this machine's cpu (--recalibrate), cached in {calibrate.cache_path('cpu')}", flush=True)
+        return calibrate.get("cpu", recalibrate=True)
+    return calibration("cpu", sys.stdout)
+
+
+def _predicted_time(flags: list[str], nproc: int, calibration) -> dict:
+    """The predicted step time (s) and its parts on ``calibration``, as ``python -m hyper_adaptor dry-run``
+    prints them."""
+    from hyper_adaptor.dryrun import parse
+    from hyper_adaptor.dryrun.timing import predict_time
+
+    step = predict_time(parse(flags, world_size=nproc, device="cpu"), calibration)
+    return {"total": step.total, "parts": dict(step.parts), "bubble_fraction": step.bubble_fraction,
+            "notes": list(step.notes)}
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation of paired values: Pearson's correlation of their ranks, tied values
+    sharing the mean of the ranks they span. None under two pairs or where one side is constant."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman: {len(xs)} values against {len(ys)}")
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    if len(xs) < 2:
+        return None
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)
+
+
+def time_summary(rows: list[dict]) -> dict:
+    """Predicted against measured step time over the rows that have both: the Spearman rank correlation and
+    the spread of the ratio predicted / measured."""
+    pairs = [(r["predicted_step_s"], r["step_time_s"], r["name"]) for r in rows
+             if r.get("predicted_step_s") and r.get("step_time_s")]
+    ratios = [p / m for p, m, _ in pairs]
+    return {
+        "rows": [name for _, _, name in pairs],
+        "spearman": spearman([p for p, _, _ in pairs], [m for _, m, _ in pairs]),
+        "ratio_min": min(ratios) if ratios else None, "ratio_max": max(ratios) if ratios else None,
+        "ratio_geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
+        # the mean of |log ratio|, as a factor: 1.25 is "off by 25 % on average, either way"
+        "ratio_error_factor": math.exp(sum(abs(math.log(x)) for x in ratios) / len(ratios)) if ratios else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------- rows
 def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: int, timed: int,
-            predicted, timeout: float) -> dict:
+            predicted, timeout: float, calibration=None) -> dict:
     flags = [*model, *extra]
     start = time.perf_counter()
     row = {"name": name, "nproc": nproc, "flags": extra, "error": None}
@@ -140,7 +208,14 @@ def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: in
         except Exception as error:  # a prediction that fails is a finding, not a crash
             prediction_error = f"{type(error).__name__}: {error}"
     row["prediction_error"] = prediction_error
-    row["predicted_step_s"] = _predicted_time(flags, nproc)
+    row["predicted_step_s"] = row["predicted_step_parts"] = row["time_prediction_error"] = None
+    if calibration is not None:
+        try:
+            step = _predicted_time([*flags, "--train-iters", str(iters + timed)], nproc, calibration)
+            row["predicted_step_s"], row["predicted_step_parts"] = step["total"], step["parts"]
+            row["predicted_bubble_fraction"], row["predicted_step_notes"] = step["bubble_fraction"], step["notes"]
+        except (Exception, SystemExit) as error:  # a time the model cannot price is a finding, not a crash
+            row["time_prediction_error"] = f"{type(error).__name__}: {error}"
     row["ranks"] = []
     for m in measured:
         p = prediction[m["rank"]] if prediction else None
@@ -159,8 +234,11 @@ def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: in
     row["step_time_s"] = max(r["step_time_s"] for r in row["ranks"])  # the slowest rank sets the step
     ratios = [r["ratio"] for r in row["ranks"] if r["ratio"] is not None]
     row["worst_ratio"] = max(ratios, key=lambda x: abs(x - 1)) if ratios else None
+    row["step_time_ratio"] = (row["predicted_step_s"] / row["step_time_s"]
+                              if row["predicted_step_s"] and row["step_time_s"] else None)
     print(f"{name}: {nproc} ranks, peak MiB " + ", ".join(mib(r["peak"]) for r in row["ranks"])
           + ("" if not ratios else f"; predicted / measured worst {row['worst_ratio']:.3f}")
+          + f"; step {_f(row['step_time_s'])} s, predicted {_f(row['predicted_step_s'])} s"
           + f"; {row['wall_s']:.0f} s", flush=True)
     return row
 
@@ -172,20 +250,31 @@ def run(args) -> dict:
     predicted = _predictor()
     if predicted is None:
         print("hyper_adaptor.dryrun is not available: the predicted columns are '-'", flush=True)
-    rows = [run_row(name, *ROWS[name], model, args.iters, args.timed_iters, predicted, args.timeout)
+    calibration = _calibration(args.recalibrate)  # before the rows: a first calibration must not overlap a measured row
+    rows = [run_row(name, *ROWS[name], model, args.iters, args.timed_iters, predicted, args.timeout, calibration)
             for name in names]
     targets = [{"target": f"predicted / measured peak within {TOLERANCE:.0%} on every rank", "where": r["name"],
                 "value": r["worst_ratio"], "met": abs(r["worst_ratio"] - 1) <= TOLERANCE}
                for r in rows if r.get("worst_ratio") is not None]
+    step_time = time_summary(rows)
+    if step_time["spearman"] is not None:
+        targets.append({"target": f"Spearman rank correlation of predicted and measured step time >= "
+                                  f"{SPEARMAN_TARGET}", "where": f"{len(step_time['rows'])} rows",
+                        "value": step_time["spearman"], "met": step_time["spearman"] >= SPEARMAN_TARGET})
+    if calibration is not None:
+        step_time["calibration"] = {k: getattr(calibration, k) for k in (
+            "machine", "created", "seconds", "cores", "threads", "collective_source", "framework", "oversubscribed")}
     return {
         "bench": "dry_run", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python bench/dry_run.py" + (" --quick" if args.quick else "")
-                   + (f" --rows {' '.join(args.rows)}" if args.rows else ""),
+                   + (f" --rows {' '.join(args.rows)}" if args.rows else "")
+                   + (" --recalibrate" if args.recalibrate else ""),
         "model": " ".join(model), "tracked_iterations": args.iters, "timed_iterations": args.timed_iters,
         "method": "peak: hyper_adaptor.testing.peak_run (live CPU tensor storages created from the model build "
                   "through the last tracked iteration; host tier apart); step time: median of the untracked "
                   "iterations, slowest rank",
         "prediction_available": predicted is not None,
+        "step_time": step_time,
         "rows": rows, "targets": targets, "wall_s": time.perf_counter() - start,
         "machine": machine(torch_threads=1, load_average_1min_before_after=[load_before[0], os.getloadavg()[0]]),
     }
@@ -200,18 +289,19 @@ def table(result: dict) -> str:
     # peak iter: the tracked iteration that set the peak (the last one, with live bytes after it well above the
     # model state, is memory growing from step to step)
     head = ("row", "ranks", "rank", "measured MiB", "predicted MiB", "pred / meas", "host MiB meas / pred",
-            "peak iter", "live after MiB", "step s", "pred step s")
+            "peak iter", "live after MiB", "step s", "pred step s", "pred / meas step")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         if row["error"]:
-            lines.append(f"| {row['name']} | {row['nproc']} | - | FAILED | | | | | | | |")
+            lines.append(f"| {row['name']} | {row['nproc']} | - | FAILED | | | | | | | | |")
             continue
         for r in row["ranks"]:
             host_pred = None if r["predicted_host"] is None else sum(r["predicted_host"].values())
             lines.append("| " + " | ".join((
                 row["name"], str(row["nproc"]), str(r["rank"]), mib(r["peak"]), mib(r["predicted_peak"]),
                 _f(r["ratio"]), f"{mib(r['host_peak'])} / {mib(host_pred)}", str(r["peak_iteration"]),
-                mib(r.get("live_after_tracked")), _f(r["step_time_s"]), _f(row["predicted_step_s"]))) + " |")
+                mib(r.get("live_after_tracked")), _f(r["step_time_s"]), _f(row["predicted_step_s"]),
+                _f(row.get("step_time_ratio")))) + " |")
     parts = ["", "Parts at the peak, MiB, measured / predicted (parameters; gradients; optimizer state with fp32 "
              "main parameters; other = activations, logits and loss, communication buffers, temporaries):", "",
              "| row | rank | parameters | gradients | optimizer state (main params) | other | largest other (op MiB) |",
@@ -236,12 +326,41 @@ def table(result: dict) -> str:
     if failed_predictions:
         notes.append("Predictions that raised: " + "; ".join(
             f"{row['name']}: {row['prediction_error'][:200]}" for row in failed_predictions))
+    failed_times = [row for row in result["rows"] if row.get("time_prediction_error")]
+    if failed_times:
+        notes.append("Step times that raised: " + "; ".join(
+            f"{row['name']}: {row['time_prediction_error'][:200]}" for row in failed_times))
+    notes += time_lines(result)
     if not result["prediction_available"]:
         notes.append("hyper_adaptor.dryrun was not importable: no predicted columns.")
     if result["targets"]:
         notes += ["", "Target:"] + target_lines(result["targets"], ".3f")
     notes += ["", machine_line(result)]
     return "\n".join(lines + parts + notes)
+
+
+def time_lines(result: dict) -> list[str]:
+    """The step-time summary under the tables: rank correlation, ratio spread, each row's predicted parts,
+    and the calibration the prediction used."""
+    st = result.get("step_time") or {}
+    if not st.get("rows"):
+        return ["", "Step time: no row has both a measured and a predicted step time."]
+    lines = ["", f"Step time, predicted / measured over {len(st['rows'])} rows (measured: slowest rank, median of "
+                 f"the untracked iterations): Spearman rank correlation {_f(st['spearman'])}; ratio "
+                 f"{_f(st['ratio_min'])} to {_f(st['ratio_max'])}, geometric mean {_f(st['ratio_geomean'])}, "
+                 f"mean error factor {_f(st['ratio_error_factor'])}.", "",
+             "| row | measured s | predicted s | pred / meas | predicted parts, ms |", "|---|---|---|---|---|"]
+    for row in result["rows"]:
+        if row.get("predicted_step_s") and row.get("step_time_s"):
+            parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in row["predicted_step_parts"].items() if v > 5e-5)
+            lines.append(f"| {row['name']} | {row['step_time_s']:.3f} | {row['predicted_step_s']:.3f} | "
+                         f"{row['step_time_ratio']:.2f} | {parts} |")
+    cal = st.get("calibration")
+    if cal:
+        lines.append("")
+        lines.append(f"Calibration: {cal['machine']}, measured {cal['created']} in {cal['seconds']:.0f} s, "
+                     f"{cal['cores']} cores, collectives {cal['collective_source']}.")
+    return lines
 
 
 def main(argv=None):
@@ -254,6 +373,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=600, help="seconds per row")
     parser.add_argument("--quick", action="store_true", help=f"rows {', '.join(QUICK_ROWS)}, a 2-layer hidden-64 "
                                                              "model, 2 tracked iterations")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="measure this machine's calibration again before the rows (on an idle machine, as the "
+                             "rows are), replacing the cached one the predicted step time otherwise uses")
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
     if args.list:

@@ -314,23 +314,29 @@ def _layer_overhead(device: str, budget: float) -> float:
 
 
 
+def available(device: str) -> bool:
+    """Whether this machine has a usable ``device`` to measure (a CPU always has)."""
+    if _check_device(device) == "cpu":
+        return True
+    if device == "npu":
+        from hyper_adaptor import platform
+
+        return platform.npu_available()
+    import torch
+
+    module = getattr(torch, device, None)
+    return module is not None and module.is_available()
+
+
 def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     """Measure this machine's ``device`` (cpu / cuda / npu). ``quick``: the compute figures only, a shorter
     budget, and an assumed link (for tests)."""
     _check_device(device)
     import torch
 
-    if device != "cpu":
-        module = getattr(torch, device, None)
-        if device == "npu":
-            from hyper_adaptor import platform
-
-            available = platform.npu_available()
-        else:
-            available = module is not None and module.is_available()
-        if not available:
-            raise CalibrationError(f"--device {device}: this machine has no usable {device} device to calibrate "
-                                   "(run on one, or copy its calibration JSON into the cache)")
+    if not available(device):
+        raise CalibrationError(f"--device {device}: this machine has no usable {device} device to calibrate "
+                               "(run on one, or copy its calibration JSON into the cache)")
     start = time.perf_counter()
     threads = torch.get_num_threads()
     if device == "cpu":

@@ -2,13 +2,17 @@
 
 One row per group of ranks with the same prediction, a column per part in MiB and the peak; then whether
 the largest rank fits ``--device-memory`` and, if not, which part to cut and with which flags (exit status 1
-when it does not fit, 2 on bad input).
+when it does not fit, 2 on bad input). Then the predicted step time by part (``timing.py``) and the
+calibration it rests on: this machine's, measured once and cached (the line before the measurement says so:
+it takes about a minute on a small CPU), or, for an accelerator this machine lacks, nominal figures labelled
+as assumed. ``--no-time`` leaves the time out and measures nothing.
 """
 
 from __future__ import annotations
 
 import sys
 
+from hyper_adaptor.dryrun import calibrate
 from hyper_adaptor.dryrun.memory import PARTS, Prediction, predict
 from hyper_adaptor.dryrun.shape import parse
 from hyper_adaptor.features.base import asked
@@ -90,12 +94,68 @@ def verdict(prediction: Prediction, args) -> list[str]:
             f"largest part is {part} ({worst.parts[part] / GIB:.3f} GiB), cut it with {' or '.join(cut)}"]
 
 
+# ------------------------------------------------------------------------------------------- step time
+def calibration(device: str, out) -> calibrate.Calibration:
+    """This machine's calibration of ``device``: the cache, or measured now after a line saying so; nominal
+    figures for an accelerator this machine does not have (labelled assumed by :func:`source`)."""
+    if calibrate.load(device) is None and calibrate.available(device):
+        print(f"calibrating this machine's {device} once (about a minute; --no-time skips it), "
+              f"cached in {calibrate.cache_path(device)}", file=out, flush=True)
+    return calibrate.get(device, allow_nominal=True)
+
+
+def source(cal: calibrate.Calibration) -> str:
+    """Where the figures come from, said plainly: measured here (when, where cached) or assumed."""
+    if cal.machine.startswith("nominal"):
+        return (f"calibration: ASSUMED, not measured: this machine has no {cal.device} device, so the time rests on "
+                f"nominal figures of a typical one (NOMINAL in hyper_adaptor/dryrun/calibrate.py), a rough "
+                f"estimate until `python -m hyper_adaptor.dryrun.calibrate --device {cal.device}` runs on such a "
+                f"machine")
+    text = (f"calibration: measured on this machine ({cal.machine}) at {cal.created or 'an unrecorded time'}, "
+            f"cached in {calibrate.cache_path(cal.device)} (python -m hyper_adaptor.dryrun.calibrate "
+            f"--recalibrate measures again)")
+    if cal.collective_source != "measured":
+        text += f"; collectives {cal.collective_source}"
+    return text
+
+
+def time_table(step) -> list[str]:
+    """The parts of the step in ms, one column each, and their total."""
+    from hyper_adaptor.dryrun.timing import PARTS as TIME_PARTS
+
+    header = [*TIME_PARTS, "total"]
+    row = [f"{step.parts[p] * 1e3:.2f}" for p in TIME_PARTS] + [f"{step.total * 1e3:.2f}"]
+    widths = [max(len(h), len(c)) for h, c in zip(header, row)]
+    return ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in (header, row)]
+
+
+def step_time(args, shape, out) -> list[str]:
+    """The step-time lines of the report; a calibration or a layout the model cannot price is said in one line
+    (the memory above stands)."""
+    from hyper_adaptor.dryrun.timing import TimingError, predict_time
+
+    try:
+        cal = calibration(args.device, out)
+        step = predict_time(args, cal, shape)
+    except (calibrate.CalibrationError, TimingError, RuntimeError, OSError) as error:
+        return [f"step time: not predicted ({error}); --no-time leaves it out"]
+    lines = [f"step time (ms; predicted for the slowest pipeline rank, {step.micro_batches} micro-batches):"]
+    lines += ["  " + line for line in time_table(step)]
+    lines.append(f"bubble: {step.bubble_fraction:.1%} of the pipeline's time ({step.schedule})" if shape.pp > 1
+                 else "bubble: none (one pipeline stage)")
+    lines += [f"note: {note}" for note in step.notes]
+    lines.append(source(cal))
+    return lines
+
+
 def main(flags: list[str], out=None) -> int:
     out = out or sys.stdout
     if any(f in ("-h", "--help") for f in flags):
         print("usage: python -m hyper_adaptor dry-run [megatron and hyper_adaptor flags] --world-size N "
-              "[--device-memory GiB] [--device npu|cuda|cpu]\n\nPredicts each rank's peak device memory by part "
-              "(MiB) without building the model; docs/features/dry-run.md says what each part counts.", file=out)
+              "[--device-memory GiB] [--device npu|cuda|cpu] [--no-time]\n\nPredicts each rank's peak device "
+              "memory by part (MiB) without building the model, and the step time by part from this machine's "
+              "calibration (measured once, then cached; --no-time: memory only, nothing measured); "
+              "docs/features/dry-run.md says what each part counts.", file=out)
         return 0
     args = parse(flags)
     prediction = predict(args)
@@ -111,5 +171,8 @@ def main(flags: list[str], out=None) -> int:
         print("  " + line, file=out)
     for line in verdict(prediction, args):
         print(line, file=out)
+    if not args.no_time:
+        for line in step_time(args, shape, out):
+            print(line, file=out)
     fits = args.device_memory is None or max(r.peak for r in prediction.ranks) <= args.device_memory * GIB
     return 0 if fits else 1

@@ -29,6 +29,9 @@ def _dry_run_arguments(group) -> None:
                        help="the memory of one device, in GiB: the prediction says whether each rank fits")
     group.add_argument("--device", default=None, metavar="{npu,cuda,cpu}",
                        help="the device the prediction is for (default: cpu)")
+    group.add_argument("--no-time", action="store_true",
+                       help="memory only: no step-time prediction (nor the one-time calibration of this machine "
+                            "it needs)")
 
 
 def parse(flags: list[str], world_size: int | None = None, device: str | None = None):

@@ -40,57 +40,37 @@ from hyper_adaptor.dryrun.comm_theory import (
     ep_sent_bytes,
     tp_sent_bytes,
 )
+from hyper_adaptor.dryrun.shape import BYTES, ModelShape
 
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
          "swap", "framework")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DDP_BUCKET_ELEMENTS = 40_000_000  # megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES_PER_PARAM = 28          # fp32: read param, grad, m, v; write param, m, v
 NEWTON_SCHULZ_STEPS = 5
 
 
-@dataclasses.dataclass
-class Dims:
-    """The figures of the model and its layout the cost model reads (megatron's argument names in brackets)."""
+@dataclasses.dataclass(frozen=True)
+class Dims(ModelShape):
+    """A :class:`ModelShape` (the one description of the model and its layout) with what only the cost model
+    needs on top: the gradients' element size, and figures derived from the shape's fields."""
 
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    layers: int
-    seq: int
-    micro_batch: int
-    global_batch: int
-    vocab: int
-    swiglu: bool = False
-    num_experts: int = 0
-    topk: int = 0
-    moe_ffn: int = 0
-    shared_ffn: int = 0
-    moe_layer_freq: object = 1
-    dtype: str = "float32"
     grad_bytes: int = 4
-    tp: int = 1
-    pp: int = 1
-    chunks: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    sp: bool = False
-    world: int = 1
 
     @property
     def elem(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        """Bytes of a parameter or activation element."""
+        return BYTES[self.dtype]
 
     @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
+    def matmul_dtype(self) -> str:
+        """The dtype's name in the calibration's matmul tables."""
+        return TORCH_DTYPES[self.dtype]
 
     @property
-    def micro_batches(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp)
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank: VPP, or the two arms of the V under ZBV."""
+        return 2 if self.schedule == "zbv" else self.vpp
 
     @property
     def q_dim(self) -> int:
@@ -101,30 +81,17 @@ class Dims:
         return self.kv_heads * self.head_dim
 
     def is_moe(self, layer: int) -> bool:
-        if not self.num_experts:
-            return False
-        freq = self.moe_layer_freq
-        if isinstance(freq, (list, tuple)):
-            return bool(freq[layer % len(freq)])
-        return layer % int(freq or 1) == 0
+        return bool(self.num_experts) and bool(self.moe_pattern[layer % len(self.moe_pattern)])
 
     @classmethod
-    def from_shape(cls, shape, args=None) -> Dims:
-        """The figures of :class:`hyper_adaptor.dryrun.shape.ModelShape`, with the gradients' element size
-        (fp32 unless the parameters are 16-bit and megatron reduces them as they are)."""
-        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[shape.dtype]
-        fp32_grads = dtype == "float32" or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
+    def from_shape(cls, shape: ModelShape, args=None) -> Dims:
+        """``shape`` with the gradients' element size: fp32 unless the parameters are 16-bit and megatron
+        reduces them as they are (HSDP: its --hsdp-reduce-dtype)."""
+        fp32_grads = shape.dtype == "fp32" or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
         if getattr(args, "use_hsdp", False) and getattr(args, "hsdp_reduce_dtype", None):
             fp32_grads = args.hsdp_reduce_dtype in ("fp32", "float32")
-        return cls(
-            hidden=shape.hidden, ffn=shape.ffn, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-            layers=shape.layers, seq=shape.seq, micro_batch=shape.micro_batch, global_batch=shape.global_batch,
-            vocab=shape.vocab, swiglu=shape.swiglu, num_experts=shape.num_experts, topk=shape.topk,
-            moe_ffn=shape.moe_ffn, shared_ffn=shape.shared_ffn,
-            moe_layer_freq=list(shape.moe_pattern) if shape.num_experts else 1, dtype=dtype,
-            grad_bytes=4 if fp32_grads else 2, tp=shape.tp, pp=shape.pp,
-            chunks=2 if shape.schedule == "zbv" else shape.vpp, cp=shape.cp, ep=shape.ep, etp=shape.etp,
-            sp=shape.sp, world=shape.world)
+        fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)}
+        return cls(**fields, grad_bytes=4 if fp32_grads else 2)
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
@@ -270,7 +237,7 @@ class _Options:
 
 
 def _times(cal, d: Dims, mm: dict) -> float:
-    return sum(cal.matmul_time(m, k, n, d.dtype, c) for m, k, n, c in mm.values())
+    return sum(cal.matmul_time(m, k, n, d.matmul_dtype, c) for m, k, n, c in mm.values())
 
 
 def _recomputed(d: Dims, o: _Options, layers: list[int], position: int) -> bool:
@@ -386,7 +353,7 @@ def _pipeline(name: str, d: Dims, costs: dict, comm: float) -> tuple[float, floa
     same time per micro-batch, and a planner's thousand micro-batches need no thousand-step lists."""
     from hyper_adaptor.parallel.pipeline.timeline import simulate
 
-    m, p = d.micro_batches, d.pp
+    m, p = d.num_micro_batches, d.pp
     per_micro = d.chunks * (costs["F"] + (costs["I"] + costs["W"] if "I" in costs else costs["B"]))
     if p == 1:
         return m * per_micro, m * per_micro, 0.0
@@ -440,13 +407,13 @@ def _optimizer_time(cal, d: Dims, o: _Options, dense: float, expert: float, matr
     return seconds
 
 
-def _stages(shape, d: Dims) -> list[list[tuple[int, list[int]]]]:
+def _stages(d: Dims) -> list[list[tuple[int, list[int]]]]:
     """Per pipeline rank: (stage index, global layers) of each of its model chunks (ModelShape's placement)."""
     per_stage_rank = d.world // d.pp
     out = []
     for r in range(d.pp):
-        chunks = shape.chunks_on(r * per_stage_rank)
-        if d.chunks == 2 and shape.schedule == "zbv":
+        chunks = d.chunks_on(r * per_stage_rank)
+        if d.schedule == "zbv":
             stages = [r, 2 * d.pp - 1 - r]
         else:
             stages = [c * d.pp + r for c in range(len(chunks))]
@@ -489,18 +456,21 @@ def _dp_time(cal, d: Dims, o: _Options, args, dense: float, expert: float, m: in
 
 def predict_time(args, calibration, shape=None) -> StepTime:
     """Predicted step time of the run ``args`` describes (the namespace :func:`hyper_adaptor.dryrun.parse`
-    returns) on the machine ``calibration`` measured (:func:`hyper_adaptor.dryrun.calibrate.get`)."""
-    from hyper_adaptor.dryrun.shape import ModelShape
-
-    shape = shape or ModelShape.from_args(args)
-    d = Dims.from_shape(shape, args)
+    returns) on the machine ``calibration`` measured (:func:`hyper_adaptor.dryrun.calibrate.get`). ``shape``:
+    the run's :class:`ModelShape` when the caller has it (else read from ``args``); the flags beyond the shape
+    (schedule, CP algorithm, dispatcher, data-parallel mode, recompute, swap, optimizer) are read from ``args``."""
+    d = Dims.from_shape(shape or ModelShape.from_args(args), args)
     o = _Options.from_args(args, d)
     if d.world % (d.tp * d.pp * d.cp):
         raise TimingError(f"--world-size {d.world} is not a multiple of TP x PP x CP = {d.tp * d.pp * d.cp}")
-    if d.micro_batches < 1 or d.global_batch % (d.micro_batch * d.dp):
+    if d.dp * d.tp * d.pp * d.cp != d.world:
+        # a shape changed with dataclasses.replace (a planner's candidate) must change its DP size with it
+        raise TimingError(f"data-parallel size {d.dp} x TP {d.tp} x PP {d.pp} x CP {d.cp} is not --world-size "
+                          f"{d.world}")
+    if d.num_micro_batches < 1 or d.global_batch % (d.micro_batch * d.dp):
         raise TimingError(f"--global-batch-size {d.global_batch} is not a multiple of --micro-batch-size "
                           f"{d.micro_batch} x data-parallel size {d.dp}")
-    cal, m, notes = calibration, d.micro_batches, []
+    cal, m, notes = calibration, d.num_micro_batches, []
     stretch = 1.0
     if cal.device == "cpu":
         # every rank is a process of this machine with one thread: more ranks than cores share them
@@ -513,7 +483,7 @@ def predict_time(args, calibration, shape=None) -> StepTime:
             latency = cal.oversubscribed["latency_s"] / stretch
             cal = dataclasses.replace(cal, collectives={
                 op: {**c, "latency_s": max(c["latency_s"], latency)} for op, c in cal.collectives.items()})
-    ranks = _stages(shape, d)
+    ranks = _stages(d)
     last_stage = d.pp * d.chunks - 1
     cost = {stage: _stage_cost(cal, d, o, layers, stage == 0, stage == last_stage)
             for chunks in ranks for stage, layers in chunks}
@@ -539,8 +509,8 @@ def predict_time(args, calibration, shape=None) -> StepTime:
     flop = m * sum(cost[s]["flops"] for s, _ in ranks[rank])
 
     first_rank = rank * (d.world // d.pp)
-    params = shape.params_on(first_rank)
-    expert = float(shape.params_on(first_rank).get("experts", 0))
+    params = d.params_on(first_rank)
+    expert = float(params.get("experts", 0))
     dense = float(sum(params.values())) - expert
     dp_time, dp_bytes = _dp_time(cal, d, o, args, dense, expert, m)
     if o.overlap_dp and dp_time:
@@ -549,7 +519,7 @@ def predict_time(args, calibration, shape=None) -> StepTime:
         exposed = max(dp_time - hidden, 0.0)
         notes.append(f"data-parallel reduction overlapped with the last backward: {exposed / dp_time:.0%} exposed")
         dp_time = exposed
-    if d.pp > 1 and not shape.untied and (rank == 0 or rank == d.pp - 1):
+    if d.pp > 1 and not d.untied and (rank == 0 or rank == d.pp - 1):
         # the tied word embedding's gradient, all-reduced between the first and the last stage
         tied = 2 * d.vocab * d.hidden / d.tp * d.grad_bytes / 2
         dp_time += cal.collective_time("all_reduce", 2, tied)

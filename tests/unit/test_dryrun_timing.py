@@ -1,7 +1,8 @@
 """The dry-run's step-time model (hyper_adaptor/dryrun/timing.py) and its calibration cache
 (hyper_adaptor/dryrun/calibrate.py): FLOPs of a hand-computed shape, the pipeline bubble through the
 simulator, the direction of each split, the communication formulas against the benches' own theory
-functions, and the cache's round trip. No real micro-benchmark beyond the quick one (< 2 s)."""
+functions, the cache's round trip, and the accuracy bench's rank correlation (bench/dry_run.py). No real
+micro-benchmark beyond the quick one (< 2 s)."""
 
 import argparse
 import dataclasses
@@ -11,11 +12,8 @@ import socket
 import pytest
 
 from hyper_adaptor.dryrun import calibrate, timing
+from hyper_adaptor.dryrun.shape import ModelShape
 from hyper_adaptor.dryrun.timing import Dims
-
-# hidden 64, 4 heads of 16, FFN 4h, 32 tokens x micro-batch 2, vocab 128
-SMALL = dict(hidden=64, ffn=256, heads=4, kv_heads=4, head_dim=16, layers=4, seq=32, micro_batch=2,
-             global_batch=8, vocab=128)
 
 
 def fake_calibration(**changes) -> calibrate.Calibration:
@@ -31,7 +29,8 @@ def fake_calibration(**changes) -> calibrate.Calibration:
 
 
 def namespace(**flags) -> argparse.Namespace:
-    """The attributes of megatron's namespace the dry-run reads, for SMALL at one rank (no biases, tied)."""
+    """The attributes of megatron's namespace the dry-run reads: hidden 64, 4 heads of 16, FFN 256, 4 layers,
+    32 tokens x micro-batch 2, global batch 8, vocab 128, one rank, no biases, tied embeddings."""
     base = dict(hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, kv_channels=16, num_layers=4,
                 seq_length=32, max_position_embeddings=32, micro_batch_size=2, global_batch_size=8,
                 padded_vocab_size=128, world_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -49,9 +48,28 @@ def namespace(**flags) -> argparse.Namespace:
     return argparse.Namespace(**base)
 
 
+def dims(**flags) -> Dims:
+    """The cost model's view of ``namespace(**flags)``."""
+    return Dims.from_shape(ModelShape.from_args(namespace(**flags)))
+
+
+def test_dims_is_the_model_shape_plus_gradient_bytes():
+    # one source of truth: every figure the cost model reads is ModelShape's, nothing restated beside it
+    shape_fields = {f.name for f in dataclasses.fields(ModelShape)}
+    assert {f.name for f in dataclasses.fields(Dims)} - shape_fields == {"grad_bytes"}
+    shape = ModelShape.from_args(namespace(bf16=True, world_size=2, pipeline_model_parallel_size=2,
+                                           virtual_pipeline_model_parallel_size=2))
+    d = Dims.from_shape(shape)
+    assert all(getattr(d, name) == getattr(shape, name) for name in shape_fields)
+    assert (d.elem, d.matmul_dtype, d.grad_bytes, d.chunks) == (2, "bfloat16", 2, 2)
+    fp32_reduced = Dims.from_shape(shape, argparse.Namespace(accumulate_allreduce_grads_in_fp32=True))
+    assert fp32_reduced.grad_bytes == 4
+    assert dims(num_experts=8, moe_ffn_hidden_size=64).is_moe(3) and not dims().is_moe(0)
+
+
 # ------------------------------------------------------------------------------------------------- FLOPs
 def test_layer_flops_hand_computed():
-    d = Dims(**SMALL)
+    d = dims()
     # t = 64 tokens: QKV 2*64*64*192, scores and values 2 x 2*32*16*32 per (batch x head) = 8,
     # projection 2*64*64*64, MLP 2 x 2*64*64*256
     hand = 2 * 64 * 64 * 192 + 2 * (2 * 32 * 16 * 32 * 8) + 2 * 64 * 64 * 64 + 2 * (2 * 64 * 64 * 256)
@@ -60,18 +78,19 @@ def test_layer_flops_hand_computed():
     b, s, h = 2, 32, 64  # the textbook count for FFN = 4h: 24 b s h^2 + 4 b s^2 h
     assert timing.layer_flops(d) == 24 * b * s * h * h + 4 * b * s * s * h
     # TP splits heads and FFN, CP the sequence (attention: own queries against all keys): both halve it
-    assert timing.layer_flops(dataclasses.replace(d, tp=2)) == hand / 2
-    assert timing.layer_flops(dataclasses.replace(d, cp=2)) == hand / 2
+    assert timing.layer_flops(dims(tensor_model_parallel_size=2, world_size=2)) == hand / 2
+    assert timing.layer_flops(dims(context_parallel_size=2, world_size=2)) == hand / 2
 
 
 def test_moe_flops_follow_topk_not_experts():
-    d = Dims(**SMALL, num_experts=8, topk=2, moe_ffn=64)
+    moe = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64)
+    d = dims(**moe)
     mm = timing.flops(timing.layer_matmuls(d, moe=True))
     t = 64
     assert mm["router"] == 2 * t * 64 * 8
     assert mm["expert_fc1"] + mm["expert_fc2"] == 2 * (2 * t * 2 * 64 * 64)  # t x topk rows through FFN 64
     # EP spreads the same rows over more ranks' experts: the work per rank stays, fewer experts hold it
-    d_ep = dataclasses.replace(d, ep=4, world=4)
+    d_ep = dims(**moe, expert_model_parallel_size=4, world_size=4)
     mm_ep = timing.flops(timing.layer_matmuls(d_ep, moe=True))
     assert mm_ep["expert_fc1"] == mm["expert_fc1"]
     assert timing.layer_matmuls(d_ep, moe=True)["expert_fc1"][3] == 2  # 8 experts / EP 4
@@ -106,7 +125,7 @@ def test_framework_fixed_costs_per_layer_micro_batch_and_step():
 # ----------------------------------------------------------------------------------------------- bubble
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8)])
 def test_1f1b_bubble_is_textbook_through_the_simulator(p, m):
-    d = Dims(**{**SMALL, "layers": p, "global_batch": 2 * m}, pp=p, world=p)
+    d = dims(num_layers=p, global_batch_size=2 * m, pipeline_model_parallel_size=p, world_size=p)
     makespan, ideal, bubble = timing._pipeline("1f1b", d, {"F": 1.0, "B": 2.0}, 0.0)
     assert bubble == pytest.approx((p - 1) / (m + p - 1))
     assert ideal == pytest.approx((m + p - 1) * 3.0) and makespan == ideal
@@ -126,7 +145,9 @@ def test_many_micro_batches_extend_the_steady_state(name, chunks):
     from hyper_adaptor.parallel.pipeline.timeline import simulate
 
     p, m = 4, 22  # past 3 x PP: simulated at 10 and 14 micro-batches, extended to 22
-    d = Dims(**{**SMALL, "layers": 8, "global_batch": 2 * m}, pp=p, chunks=chunks, world=p)
+    d = dims(num_layers=8, global_batch_size=2 * m, pipeline_model_parallel_size=p, world_size=p,
+             virtual_pipeline_model_parallel_size=chunks if chunks > 1 else None)
+    assert d.chunks == chunks
     costs = {"F": 1.0, "B": 2.5} if name in ("1f1b", "interleaved") else {"F": 1.0, "B": 2.5, "I": 1.5, "W": 1.0}
     makespan, ideal, bubble = timing._pipeline(name, d, costs, 0.25)
     layout, lists = build(name, p, m, chunks if chunks > 1 else None)
@@ -187,6 +208,11 @@ def test_bad_layout_is_an_error_naming_the_flag():
         timing.predict_time(namespace(global_batch_size=6, world_size=2), fake_calibration())
     with pytest.raises(timing.TimingError, match="--world-size 3"):
         timing.predict_time(namespace(world_size=3, tensor_model_parallel_size=2), fake_calibration())
+    shape = ModelShape.from_args(namespace(world_size=4))
+    with pytest.raises(timing.TimingError, match="data-parallel size 4 x TP 2 x PP 1 x CP 1 is not --world-size 4"):
+        timing.predict_time(namespace(world_size=4), fake_calibration(), dataclasses.replace(shape, tp=2))
+    fixed = dataclasses.replace(shape, tp=2, dp=2)   # a candidate with its DP size changed too is priced
+    assert timing.predict_time(namespace(world_size=4), fake_calibration(), fixed).parts["tp_comm"] > 0
 
 
 # ------------------------------------------------------- the engines' theory, as the benches state it
@@ -197,10 +223,11 @@ def _bench_dims(d: Dims) -> dict:
 def test_tp_volume_is_the_tp_bench_theory():
     from bench._tp_contenders import theory_megatron_sp_regather_bytes, theory_tp_bytes
 
-    d = Dims(**SMALL, tp=2)
+    d = dims(tensor_model_parallel_size=2, world_size=2)
     ours = timing.tp_sent_bytes(d, d.layers, first=True, last=True)
     assert ours["forward"] + ours["backward"] == theory_tp_bytes(_bench_dims(d), 2, 2, gathered_logits=False)
-    sp = timing.tp_sent_bytes(dataclasses.replace(d, sp=True), d.layers, first=True, last=True)
+    sp = timing.tp_sent_bytes(dims(tensor_model_parallel_size=2, world_size=2, sequence_parallel=True), d.layers,
+                              first=True, last=True)
     assert sp["forward"] + sp["backward"] - (ours["forward"] + ours["backward"]) == \
         theory_megatron_sp_regather_bytes(_bench_dims(d), 2, 2)
 
@@ -209,7 +236,7 @@ def test_tp_volume_is_the_tp_bench_theory():
 def test_cp_volume_is_the_cp_bench_theory(algo):
     from bench._cp_analysis import theory
 
-    d = Dims(**{**SMALL, "kv_heads": 2}, cp=4)
+    d = dims(group_query_attention=True, num_query_groups=2, context_parallel_size=4, world_size=4)
     ours = timing.cp_sent_bytes(algo, d, ulysses_degree=2)
     bench = theory(algo, 4, d.seq, {"batch": 2, "heads": 4, "kv_heads": 2, "head_dim": 16})
     assert (ours["forward"], ours["backward"]) == pytest.approx((bench["forward"], bench["backward"]))
@@ -218,7 +245,7 @@ def test_cp_volume_is_the_cp_bench_theory(algo):
 def test_ep_volume_is_the_ep_bench_theory():
     from bench.expert_parallel import engine_theory_bytes
 
-    d = Dims(**SMALL, num_experts=8, topk=2, moe_ffn=64, ep=4, world=4)
+    d = dims(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64, expert_model_parallel_size=4, world_size=4)
     rows = 64 * 2 * 3 / 4  # t x topk, three quarters of them to other ranks
     sent, calls = timing.ep_sent_bytes(d, "alltoall")
     assert sent == pytest.approx(engine_theory_bytes({"sent_rows": rows, "received_rows": rows}, 64, 8, 4))
@@ -307,3 +334,35 @@ def test_nominal_figures_for_an_absent_accelerator():
     # a bf16 GPT priced on the nominal GPU
     args = namespace(bf16=True, world_size=2, tensor_model_parallel_size=2)
     assert 0 < timing.predict_time(args, cal).total
+
+
+# ------------------------------------------------------------------ the accuracy bench's step-time summary
+def test_bench_spearman_against_hand_computed_values():
+    from bench.dry_run import spearman
+
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    # no ties: 1 - 6 sum d^2 / (n (n^2 - 1)) = 1 - 6 x 4 / 120
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(0.8)
+    # ranks, not values: a monotone but far from linear relation is still 1
+    assert spearman([1, 2, 3, 4], [1, 10, 1000, 1e6]) == pytest.approx(1.0)
+    # ties share their mean rank: x ranks 1, 2.5, 2.5, 4 against 1..4 -> 4.5 / sqrt(4.5 x 5)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    assert spearman([1], [2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+    with pytest.raises(ValueError, match="3 values against 2"):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_bench_time_summary_uses_the_rows_with_both_times():
+    from bench.dry_run import time_summary
+
+    rows = [{"name": "a", "predicted_step_s": 0.2, "step_time_s": 0.1},
+            {"name": "b", "predicted_step_s": 0.4, "step_time_s": 0.8},
+            {"name": "c", "predicted_step_s": 1.0, "step_time_s": 1.0},
+            {"name": "failed", "predicted_step_s": None, "step_time_s": 0.5}]
+    summary = time_summary(rows)
+    assert summary["rows"] == ["a", "b", "c"]
+    assert summary["spearman"] == pytest.approx(1.0)
+    assert (summary["ratio_min"], summary["ratio_max"]) == (0.5, 2.0)
+    assert summary["ratio_geomean"] == pytest.approx(1.0)
+    assert summary["ratio_error_factor"] == pytest.approx(2 ** (2 / 3))
