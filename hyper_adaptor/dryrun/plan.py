@@ -136,6 +136,7 @@ class Evaluator:
         self.parser = parser or _parser(PROG)
         self.count = 0
         self.seconds = 0.0
+        self.cache = {}
         self._model = None
 
     @property
@@ -150,6 +151,13 @@ class Evaluator:
         return _parse(self.model_flags + candidate.flags(), self.world, self.device, PROG, self.parser)
 
     def __call__(self, candidate: Candidate, timed: bool = True) -> Outcome:
+        """The outcome of ``candidate``; each configuration is evaluated once (a probe is met again later)."""
+        key = (candidate, timed)
+        if key not in self.cache:
+            self.cache[key] = self._evaluate(candidate, timed)
+        return self.cache[key]
+
+    def _evaluate(self, candidate: Candidate, timed: bool) -> Outcome:
         start = time.perf_counter()
         self.count += 1
         try:
@@ -244,20 +252,17 @@ def search(model_flags, world: int, device_memory: float, device: str, calibrati
             else:
                 promising.append((outcome.seconds - outcome.step.parts.get("recompute", 0.0), layout))
         promising.sort(key=lambda x: x[0])
-        for index, (_, layout) in enumerate(promising):
-            mbs, modes = sizes[layout]
+        queue = [Candidate(layout, b, mode) for _, layout in promising for b in sizes[layout][0]
+                 for mode in sizes[layout][1]]
+        for index, candidate in enumerate(queue):
             if evaluator.count >= bound:
-                lost[f"not evaluated (search bound {bound})"] += sum(
-                    len(sizes[lay][0]) * len(sizes[lay][1]) * len(RECOMPUTE) for _, lay in promising[index:])
+                lost[f"not evaluated (search bound {bound})"] += len(RECOMPUTE) * (len(queue) - index)
                 break
-            for b in mbs:
-                for mode in modes:
-                    candidate = Candidate(layout, b, mode)
-                    reason = dominated(model, candidate, world)
-                    if reason:
-                        lost[reason] += len(RECOMPUTE)
-                    else:
-                        _variants(evaluator, candidate, fits, lost)
+            reason = dominated(model, candidate, world)
+            if reason:
+                lost[reason] += len(RECOMPUTE)
+            else:
+                _variants(evaluator, candidate, fits, lost)
     fits.sort(key=lambda o: (o.seconds, o.peak, len(o.candidate.flags())))
     return Plan(fits, pruned, lost, len(space), total, evaluator.count, time.perf_counter() - start, bound,
                 None if fits else smallest)
@@ -283,8 +288,14 @@ def _count(outcome: Outcome, lost: Counter) -> None:
     lost[_oom(outcome) if outcome.verdict == "oom" else f"refused: {outcome.message}"] += 1
 
 
+TIE = "equal step time, more memory"
+
+
 def gap(loser: Outcome, best: Outcome) -> str:
-    """The part of the step time that makes most of ``loser``'s gap to ``best``."""
+    """The part of the step time that makes most of ``loser``'s gap to ``best`` (TIE when there is none: the
+    ranking put it after the best for its memory)."""
+    if loser.seconds <= best.seconds * (1 + 1e-9):
+        return TIE
     parts = loser.step.parts
     return max(parts, key=lambda p: parts[p] - best.step.parts.get(p, 0.0))
 
@@ -309,7 +320,8 @@ def report(plan: Plan, top: int, world: int, device_memory: float, device: str, 
         print(f"   {' '.join(o.candidate.flags())}", file=out)
     lost = Counter(plan.lost)
     for o in plan.ranked[top:]:
-        lost[f"slower: {gap(o, best)}"] += 1
+        part = gap(o, best)
+        lost[part if part == TIE else f"slower: {part}"] += 1
     print("\nwhy the others lost (configurations, by the binding constraint):", file=out)
     for reason, n in sorted(lost.items(), key=lambda kv: -kv[1]):
         print(f"  {n:7d}  {reason}", file=out)

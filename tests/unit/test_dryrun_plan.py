@@ -108,7 +108,7 @@ LINE = re.compile(r"^\d+\. step ([\d.]+) ms, peak ([\d.]+) (GiB|MiB)")
 def test_every_printed_line_parses_back_and_predicts_what_it_shows():
     cal = fixed_calibration()
     code, result, text = run_plan([*MODEL, "--world-size", "2", "--device-memory", "1", "--top", "5",
-                                   "--bound", "150"], cal)
+                                   "--bound", "40"], cal)
     assert code == 0, text
     lines = text.splitlines()
     shown = [(LINE.match(line), lines[i + 1].split()) for i, line in enumerate(lines) if LINE.match(line)]
@@ -124,8 +124,10 @@ def test_every_printed_line_parses_back_and_predicts_what_it_shows():
         assert float(match.group(2)) == pytest.approx(peak / unit, abs=0.051 if unit == 2 ** 20 else 0.00051)
         times.append(step.total)
     assert times == sorted(times)                                 # fastest first
-    assert "evaluated (bound 150)" in text and "why the others lost" in text
-    assert result.evaluated <= 150 + 2                              # a probe may pass the bound by its second try
+    assert "evaluated (bound 40)" in text and "why the others lost" in text
+    assert result.evaluated <= 40 + 3                               # the last no-recompute one may add 3
+    assert result.lost["not evaluated (search bound 40)"] > 0      # the bound cut this search
+    assert len(result.ranked) + sum(result.lost.values()) == result.configurations
 
 
 def test_the_losers_are_grouped_by_what_bound_them():
@@ -137,11 +139,24 @@ def test_the_losers_are_grouped_by_what_bound_them():
                      reasons)
     best = result.ranked[0]
     assert best.peak <= 0.004 * 2 ** 30
+    # every configuration of the space is either ranked or lost for one reason
+    assert len(result.ranked) + sum(result.lost.values()) == result.configurations
     # gap(): the part that makes most of a loser's difference
     loser = result.ranked[-1]
     part = plan.gap(loser, best)
     diffs = {p: loser.step.parts[p] - best.step.parts[p] for p in loser.step.parts}
-    assert diffs[part] == max(diffs.values())
+    assert loser.seconds > best.seconds and diffs[part] == max(diffs.values())
+    assert plan.gap(best, best) == plan.TIE
+
+
+def test_validation_bench_helpers():
+    from bench.plan_validate import spearman, spread
+
+    assert spread(100, 30)[0] == 0 and spread(100, 30)[-1] == 99 and len(spread(100, 30)) == 30
+    assert spread(3, 30) == [0, 1, 2]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [5, 5, 6]) == pytest.approx(0.8660254)   # ties take the mean rank
 
 
 def test_only_pipeline_or_recompute_fits():
