@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
+import json
 import os
 import sys
 import time
@@ -77,7 +78,7 @@ def one(model: str, world: int, device: str, bound: int) -> dict:
             row["best_other_layout"] = {**_describe(other, world), "lost_by": part,
                                         "lost_by_s": other.step.parts.get(part, 0.0) - best.step.parts.get(part, 0.0)}
     print(f"{model} on {world} x {device}: {row.get('pick', {}).get('layout', 'nothing fits')} "
-          f"({result.evaluated} evaluated in {result.seconds:.0f} s)", flush=True)
+          f"({result.evaluated} evaluated in {result.seconds:.0f} s)\n{row['output']}", flush=True)
     return row
 
 
@@ -127,16 +128,24 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="64 devices, cuda, bound 300")
     parser.add_argument("--bound", type=int, default=None, help="configurations evaluated per search (default "
                                                                 "the planner's)")
+    parser.add_argument("--devices", nargs="+", choices=DEVICES, default=list(DEVICES))
     parser.add_argument("--json", default=str(DEFAULT_JSON))
     args = parser.parse_args(argv)
     from hyper_adaptor.dryrun import plan
 
     bound = args.bound or (300 if args.quick else plan.DEFAULT_BOUND)
     start, load_before = time.perf_counter(), os.getloadavg()
-    rows = [one(model, world, device, bound) for device in (("cuda",) if args.quick else DEVICES)
-            for model in MODELS for world in ((64,) if args.quick else WORLDS)]
+    rows, partial = [], Path(str(args.json) + ".partial")  # the rows so far, should a long run be stopped
+    for device in ("cuda",) if args.quick else args.devices:
+        for model in MODELS:
+            for world in (64,) if args.quick else WORLDS:
+                rows.append(one(model, world, device, bound))
+                partial.write_text(json.dumps(rows, indent=1, default=str))
+    partial.unlink(missing_ok=True)
     result = {"bench": "plan_scale", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python bench/plan_scale.py" + (" --quick" if args.quick else ""),
+              "command": "python bench/plan_scale.py" + (" --quick" if args.quick else "")
+                         + (f" --bound {args.bound}" if args.bound else "")
+                         + (f" --devices {' '.join(args.devices)}" if args.devices != list(DEVICES) else ""),
               "device_memory_gib": MEMORY_GIB, "calibration": "nominal (assumed) figures per device",
               "rows": rows, "wall_s": time.perf_counter() - start,
               "machine": machine(load_average_1min_before_after=[load_before[0], os.getloadavg()[0]])}

@@ -10,11 +10,12 @@ models), and a cluster of 1,024 devices has tens of thousands of them. So:
 
 1. arithmetic first: what does not divide (heads by TP, layers by PP x VPP, the sequence by 2 x CP, experts and
    the ranks of a stage by EP, the global batch by micro-batch x DP) is dropped without a parse;
-2. one probe per layout (TP, PP, schedule, CP, EP): micro-batch 1, the most sharded optimizer, full recompute —
-   the least memory the layout can take. A layout whose probe is refused or does not fit is dropped whole;
-3. the layouts that fit are searched in the order of their probe's step time less its recompute (the fastest
-   they could be), each micro-batch size x data-parallel engine without recompute first; recompute and swap
-   only cost time, so they are tried only where nothing lighter fits.
+2. one probe per layout (TP, PP, schedule, CP, EP): micro-batch 1, the distributed optimizer (HSDP level 3 where
+   that does not fit), full recompute — about the least memory the layout can take. A layout whose probe is
+   refused or does not fit is dropped whole;
+3. the layouts that fit are searched in the order of their probe's step time less its recompute (an estimate,
+   not a bound: a larger micro-batch can be faster), each micro-batch size x data-parallel engine without
+   recompute first; recompute and swap only add time, so they are tried only where that does not fit.
 
 Every configuration evaluated goes through :func:`hyper_adaptor.dryrun.parse` (the checks of a training run),
 :func:`hyper_adaptor.dryrun.memory.predict` and :func:`hyper_adaptor.dryrun.timing.predict_time`; ``bound``

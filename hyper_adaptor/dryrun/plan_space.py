@@ -165,7 +165,9 @@ def _context(model: Model, ranks: int, tp: int, pruned: Counter) -> list[tuple[i
 
 
 def expert_sizes(model: Model, stage_ranks: int, tp: int, pruned: Counter) -> list[int]:
-    """EP: it divides the experts, and ETP (= TP) x EP divides the ranks of a pipeline stage."""
+    """EP: it divides the experts, and ETP (= TP) x EP divides the ranks of a pipeline stage. megatron's
+    ``validate_args`` does not check the second (EP 4 at TP 2 on 4 ranks passes it); its process groups need it
+    (ETP x EP x PP divides the world), so the planner checks it here."""
     if not model.experts:
         return [1]
     out = []
