@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import os
 import sys
@@ -49,9 +50,11 @@ def _world_size(args) -> tuple[int | None, str]:
     return None, ""
 
 
-def _parse_megatron_flags(flags: list[str], prog: str = PROG, add_arguments=None):
+def megatron_parser(prog: str = PROG, add_arguments=None) -> argparse.ArgumentParser:
     """megatron.training's parser with the adaptor's flags, ``--world-size`` and what ``add_arguments``
-    (called with the parser) adds for a command; unknown flags are an argparse error."""
+    (called with the parser's group) adds for a command. Building it reads megatron's dataclass docstrings
+    (about 0.3 s): a caller parsing many command lines (the planner) builds it once and passes it to
+    :func:`_parse_megatron_flags`."""
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
@@ -63,9 +66,21 @@ def _parse_megatron_flags(flags: list[str], prog: str = PROG, add_arguments=None
              "the model-parallel sizes allow)")
     if add_arguments is not None:
         add_arguments(group)
+    return parser
+
+
+def _parse_megatron_flags(flags: list[str], prog: str = PROG, add_arguments=None, parser=None):
+    """``flags`` through :func:`megatron_parser` (or ``parser``, one it built); unknown flags are an argparse
+    error. A reused parser hands every namespace the same default objects: they are copied, so that a check
+    that changes a default list in place changes it for this namespace only."""
+    reused = parser is not None
+    parser = parser or megatron_parser(prog, add_arguments)
     args, unknown = parser.parse_known_args(flags)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if reused:  # the default containers copied (they hold strings and numbers: one level is the whole of them)
+        args = argparse.Namespace(**{k: copy.copy(v) if isinstance(v, (list, dict, set)) else v
+                                     for k, v in vars(args).items()})
     return args
 
 
@@ -185,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m hyper_adaptor describe [megatron and hyper_adaptor flags]\n"
               "       python -m hyper_adaptor dry-run [megatron flags] --world-size N [--device-memory GiB] "
               "[--device npu|cuda|cpu]\n"
+              "       python -m hyper_adaptor plan --world-size N --device-memory GiB [--device npu|cuda|cpu] "
+              "[--top K] [--bound N] [--all] <model flags>\n"
               "       python -m hyper_adaptor checkpoint inspect DIR [--ckpt-step N] [-- <training flags>]\n"
               "       python -m hyper_adaptor mindspeed-flags --markdown")
         return 0 if argv else 2
@@ -198,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.argv = [sys.argv[0]] + rest
         return report.main(rest)
+    if command == "plan":
+        from hyper_adaptor.dryrun import plan
+
+        sys.argv = [sys.argv[0]] + rest
+        return plan.main(rest)
     if command == "checkpoint":
         from hyper_adaptor import checkpoint_cli
 
@@ -207,5 +229,5 @@ def main(argv: list[str] | None = None) -> int:
         from hyper_adaptor import mindspeed_guide
 
         return mindspeed_guide.main(rest)
-    print(f"unknown command {command!r}; known: describe, dry-run, checkpoint, mindspeed-flags", file=sys.stderr)
+    print(f"unknown command {command!r}; known: describe, dry-run, plan, checkpoint, mindspeed-flags", file=sys.stderr)
     return 2
