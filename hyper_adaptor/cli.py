@@ -20,6 +20,7 @@ import copy
 import io
 import os
 import sys
+import warnings
 
 PROG = "hyper_adaptor describe"
 # megatron's validate_args refuses a namespace without these (so does a training run); describe
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
               "       python -m hyper_adaptor mindspeed-flags --markdown")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
+    if command in ("dry-run", "plan"):
+        # nothing is built or run: megatron's import-time notices (apex, TransformerEngine absent, falling back)
+        # say nothing about the prediction and would bury its first lines
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if command == "describe":
         # the device choice is made at import, from --device-type if present
         sys.argv = [sys.argv[0]] + rest

@@ -37,6 +37,10 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 # where a device cannot measure its collectives (one accelerator, no second rank): a link of this latency and
 # bandwidth is assumed, and the calibration says so (``collective_source``)
 ASSUMED_LINK = {"cpu": (2e-4, 2e9), "cuda": (2e-5, 1e11), "npu": (2e-5, 1e11)}
+# an accelerator's copy rate to and from pinned host memory, one direction, as assumed where it is not measured:
+# a PCIe Gen5 x16 link moves about 25 GB/s in practice (H100), Gen4 about half (Ascend 910B attaches by Gen4 or
+# Gen5 by model; the lower figure is assumed). On a CPU "host" is the same memory: a copy runs at memory speed.
+HOST_LINK = {"cuda": 2.5e10, "npu": 1.5e10}
 
 
 class CalibrationError(ValueError):
@@ -67,9 +71,16 @@ class Calibration:
     # a CPU with few cores: a small all-reduce's median time on a world of twice as many ranks as cores, where
     # a blocking collective waits for its partners to be scheduled ({"ranks", "latency_s"}; empty otherwise)
     oversubscribed: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the device <-> host copy rate of one direction (swap and offload traffic); 0: not measured, the
+    # device's assumed link (HOST_LINK) stands in
+    host_link_bytes_per_s: float = 0.0
     created: str = ""
     seconds: float = 0.0
     format: int = FORMAT
+
+    def host_link(self) -> float:
+        """Bytes per second one way between the device and host memory: measured, or HOST_LINK's assumption."""
+        return self.host_link_bytes_per_s or HOST_LINK.get(self.device, self.memory_bytes_per_s)
 
     # ---------------------------------------------------------------------------------------------- lookups
     def flops_per_s(self, size: float, dtype: str = "float32") -> float:

@@ -290,9 +290,16 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
             i["recompute"] += extra
         swapped = _swapped_bytes(d, o, layer)
         if swapped and cal.device == "cpu":
-            # a copy to host memory and back, each a read and a write; on an accelerator the prefetch hides it
+            # a copy to host memory and back, each a read and a write of the same memory
             f["swap"] += 2 * swapped / bw
             i["swap"] += 2 * swapped / bw
+        elif swapped:
+            # on an accelerator the copy runs on its own stream over the host link, beside the layer's compute
+            # (the swap-out after the layer's forward, the prefetch during the next layer's backward): what
+            # the link needs beyond that compute shows in the step
+            link = swapped / cal.host_link()
+            f["swap"] += max(0.0, link - (core + linear + elem))
+            i["swap"] += max(0.0, link - (2 * core + linear + 2 * elem))
         if moe:
             sent, calls = ep_sent_bytes(d, o.dispatcher)
             op = "all_gather" if o.dispatcher == "allgather" else "all_to_all"

@@ -203,6 +203,22 @@ def test_oversubscribed_cpu_prices_each_collective_at_the_measured_wait():
     assert roomy.parts["tp_comm"] < plain.parts["tp_comm"]  # enough cores: neither wait nor stretch
 
 
+def test_accelerator_swap_costs_what_the_host_link_cannot_hide():
+    # 4 layers x 4 micro-batches, the attention's activations to host and back; on an accelerator each copy
+    # overlaps its layer's compute, so a fast link costs nothing and a slow one its transfer time less that
+    # compute (the compute is microseconds here, the transfer at 1 MB/s seconds)
+    args = namespace(swap_attention=True)
+    d = Dims.from_shape(ModelShape.from_args(args))
+    per_layer = timing._swapped_bytes(d, timing._Options.from_args(args, d), 0)
+    assert per_layer > 0
+    fast = timing.predict_time(args, fake_calibration(device="cuda", host_link_bytes_per_s=1e15))
+    slow = timing.predict_time(args, fake_calibration(device="cuda", host_link_bytes_per_s=1e6))
+    assert fast.parts["swap"] == 0
+    assert slow.parts["swap"] == pytest.approx(4 * 4 * 2 * per_layer / 1e6, rel=1e-3)
+    # an accelerator calibration without a measured link takes the assumed one
+    assert fake_calibration(device="npu").host_link() == calibrate.HOST_LINK["npu"]
+
+
 def test_bad_layout_is_an_error_naming_the_flag():
     with pytest.raises(timing.TimingError, match="--global-batch-size 6"):
         timing.predict_time(namespace(global_batch_size=6, world_size=2), fake_calibration())
