@@ -390,18 +390,67 @@ def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
     if shape.pp == 1:
         return [1] * chunks, 0
     if shape.schedule:
-        from hyper_adaptor.parallel.pipeline import schedules, timeline
+        from hyper_adaptor.parallel.pipeline import schedules
 
         c = None if shape.schedule in ("gpipe", "1f1b", "zbh1") else (2 if shape.schedule == "zbv" else shape.vpp)
         _, lists = schedules.build(shape.schedule, shape.pp, m, c)
-        until_i, until_w = timeline.inflight_peaks(lists)
-        total, extra = until_i[r], until_w[r] - until_i[r]
+        kept_bytes = pending_bytes = 0  # one micro-batch through all the rank's chunks, kept / waiting for W
+        for index in shape.layers_on(rank):
+            dev, _, wgrad = _layer_bytes(shape, args, index, 0)
+            kept_bytes, pending_bytes = kept_bytes + dev, pending_bytes + wgrad
+        total, extra = _at_backward_peak(lists[r], kept_bytes // chunks, pending_bytes // chunks)
     elif chunks == 1:
         return [min(shape.pp - r, m)], 0
     else:
         total, extra = min(2 * (shape.pp - r - 1) + (chunks - 1) * shape.pp + 1, chunks * m), 0
     per = [total // chunks + (1 if i < total % chunks else 0) for i in range(chunks)]
     return per, extra
+
+
+def _at_backward_peak(steps, kept_bytes: int, pending_bytes: int) -> tuple[int, int]:
+    """(micro-batch chunks whose forward is kept, those whose input gradient is done but weight gradient is not)
+    as a backward (B or I) step begins, at the step where kept x ``kept_bytes`` + pending x ``pending_bytes`` is
+    highest. A forward's activations live until its B / I step; a zero-bubble W step's operands until the W step."""
+    from hyper_adaptor.parallel.pipeline.actions import MetaStepType as T
+
+    kept = pending = 0
+    best, most = (0, 0), -1
+    for step in steps:
+        for half in step.halves():
+            t = half.step_type
+            if t in (T.BWD, T.BWD_INPUT) and kept * kept_bytes + pending * pending_bytes > most:
+                best, most = (kept, pending), kept * kept_bytes + pending * pending_bytes
+            kept += 1 if t is T.FWD else -1 if t in (T.BWD, T.BWD_INPUT) else 0
+            pending += 1 if t is T.BWD_INPUT else -1 if t is T.BWD_WEIGHT else 0
+    return best
+
+
+def linear_grad_outputs(shape: ModelShape, moe: bool = False) -> dict[str, int]:
+    """Bytes of the output gradient of each linear layer of one layer, one micro-batch, on one rank: what a
+    zero-bubble schedule's W step keeps beside the layer's input (patches/pipeline/wgrad.py). Column-parallel
+    layers (qkv, fc1) have s x b x columns / TP; row-parallel ones (proj, fc2) the whole s x b x h, before
+    sequence parallel's reduce-scatter. MoE: the routed tokens through the experts' fc1 and fc2."""
+    s, b, h, tp = shape.seq // shape.cp, shape.micro_batch, shape.hidden, shape.tp
+    width = BYTES[shape.dtype]
+    out = {"qkv": s * b * (shape.heads + 2 * shape.kv_heads) * shape.head_dim // tp * width,
+           "proj": s * b * h * width}
+    glu = 2 if shape.swiglu else 1
+    if moe:
+        tokens = s * b * shape.topk
+        out["fc1"] = tokens * shape.moe_ffn // shape.etp * glu * width
+        out["fc2"] = tokens * h * width
+        if shape.shared_ffn:
+            out["fc1"] += s * b * shape.shared_ffn // tp * glu * width
+            out["fc2"] += s * b * h * width
+    else:
+        out["fc1"] = s * b * shape.ffn // tp * glu * width
+        out["fc2"] = s * b * h * width
+    return out
+
+
+def _split_weight(shape: ModelShape) -> bool:
+    """The rank's linear layers defer their weight gradients to W steps (the adaptor's zero-bubble schedules)."""
+    return shape.schedule in ("zbh1", "zbv") and shape.pp > 1
 
 
 def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
@@ -415,21 +464,31 @@ def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
             host += t.nbytes
         else:
             device += t.nbytes
-    return device, host, sum(t.nbytes for t in terms if t.linear_input)
+    # a W step's operands: each linear layer's input and output gradient
+    wgrad = sum(t.nbytes for t in terms if t.linear_input)
+    if _split_weight(shape):
+        wgrad += sum(linear_grad_outputs(shape, bool(shape.moe_pattern[index])).values())
+    return device, host, wgrad
 
 
 def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
     bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
     one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
-    one group's activations rebuilt during its backward. Swapped tensors count on the host."""
+    one group's activations rebuilt during its backward; the adaptor's schedules (--pipeline-schedule) keep each
+    micro-batch's stage output until its backward. Swapped tensors count on the host."""
     per_chunk, extra = inflight(shape, args, rank)
     width = BYTES[shape.dtype]
     layer_input = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width // (shape.tp if shape.sp else 1)
     device = host = rebuilt = swapped_back = 0
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
-    for chunk, count in zip(shape.chunks_on(rank), per_chunk, strict=True):
+    chunks = shape.chunks_on(rank)
+    for number, (chunk, count) in enumerate(zip(chunks, per_chunk, strict=True)):
+        if shape.schedule and shape.pp > 1 and not (shape.is_last_stage(rank) and number == len(chunks) - 1):
+            # the adaptor's pipeline engine frees (megatron's pseudo-free) a stage's sent output only when that
+            # micro-batch's backward begins, not once sent as megatron's own schedules do
+            device += count * layer_input
         for position, index in enumerate(chunk):
             dev, hst, wgrad = _layer_bytes(shape, args, index, position)
             checkpointed = full and (args.recompute_method != "block" or position < group)
@@ -458,7 +517,9 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
     """On the stage with the loss: the final norm's output (s x b x h, kept by the output layer), megatron's
     cross entropy's fp32 logits (s x b x vocab / TP, kept for backward and turned into their gradient in
     place), and the output layer's own logits in the parameters' dtype while they are cast; per micro-batch
-    in flight there (GPipe keeps every micro-batch's, the other schedules one)."""
+    in flight there (GPipe keeps every micro-batch's, the other schedules one). Zero-bubble schedules: each
+    micro-batch whose output layer's weight gradient waits for its W step keeps that layer's input and output
+    gradient (s x b x vocab / TP; in fp32 the cross entropy's softmax storage itself)."""
     if not shape.is_last_stage(rank):
         return 0
     width = BYTES[shape.dtype]
@@ -466,13 +527,15 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
     logits = s * b * shape.vocab // shape.tp
     per = logits * FP32 + (logits * width if width != FP32 else 0) + s * b * shape.hidden * width
     kept = shape.num_micro_batches if shape.schedule == "gpipe" else 1
-    return per * kept
+    waiting = inflight(shape, args, rank)[1] if _split_weight(shape) else 0
+    return per * kept + waiting * (logits + s * b * shape.hidden) * width
 
 
 def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
     """The largest temporary: inside a layer's backward (softmax's backward makes the scores' gradient while the
     probabilities' gradient is alive, or fc1's output gradient twice; plus the layer input's and output's
-    gradients), HSDP level 3's gathered layer, or the
+    gradients; under a zero-bubble schedule the output gradients of the layer's projection and MLP, kept for
+    its W step while the attention's backward runs), HSDP level 3's gathered layer, or the
     optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
@@ -482,6 +545,9 @@ def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
     backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
+    if _split_weight(shape) and shape.layers_on(rank):
+        backward += max(sum(g for name, g in linear_grad_outputs(shape, bool(shape.moe_pattern[i])).items()
+                            if name != "qkv") for i in shape.layers_on(rank))
     level, _ = _hsdp(args)
     if level == 3 and shape.layers_on(rank):
         backward += max(sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)) * width

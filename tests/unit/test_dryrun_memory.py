@@ -147,6 +147,29 @@ def test_activations_times_inflight_micro_batches():
     assert memory.activations(shape, args, 1) == (4 * 2 * SBH + LAYER_ACTIVATIONS, 0)
 
 
+def test_zero_bubble_keeps_each_deferred_weight_gradients_operands():
+    # ZB-H1 at PP 2, 4 micro-batches: rank 1 runs F0 I0 F1 I1 W0 ...; as I1 begins micro-batch 1 is kept whole
+    # and micro-batch 0 waits for its W step, holding each linear layer's input and output gradient
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule zbh1", 2)
+    assert memory.inflight(shape, args, 0) == ([2], 0) and memory.inflight(shape, args, 1) == ([1], 1)
+    tokens = 32 * 2
+    inputs = 3 * SBH + tokens * 256 * 4                          # qkv, proj, fc1 inputs (s x b x h); fc2's (ffn)
+    grad_outputs = tokens * 192 * 4 + tokens * 64 * 4 + tokens * 256 * 4 + tokens * 64 * 4   # qkv, proj, fc1, fc2
+    assert memory.linear_grad_outputs(shape) == {"qkv": tokens * 192 * 4, "proj": SBH, "fc1": tokens * 256 * 4,
+                                                 "fc2": SBH}
+    assert memory.activations(shape, args, 1) == (2 * LAYER_ACTIVATIONS + 2 * (inputs + grad_outputs), 0)
+    # rank 0 (not the loss stage): the engine also keeps each kept micro-batch's sent output until its backward
+    assert memory.activations(shape, args, 0) == (2 * 2 * LAYER_ACTIVATIONS + 2 * SBH + 2 * SBH, 0)
+    # the waiting micro-batch's output layer: its input and its output gradient (the fp32 logits' storage)
+    logits = 32 * 2 * 384 * 4 + SBH
+    assert memory.logits_and_loss(shape, args, 1) == logits + logits
+    # the layer in backward keeps its projection's and MLP's output gradients through the attention's backward
+    # (the backward's temporaries, not the optimizer step's: those are freed activations' bytes here)
+    one_f_one_b = run("--pipeline-model-parallel-size 2 --global-batch-size 8", 2)
+    assert memory.transient(shape, args, 1, 10**9) == memory.transient(*reversed(one_f_one_b), 1, 10**9) + \
+        grad_outputs - tokens * 192 * 4
+
+
 def test_logits_on_the_last_stage():
     args, shape = run("--pipeline-model-parallel-size 2", 2)
     assert memory.logits_and_loss(shape, args, 0) == 0
