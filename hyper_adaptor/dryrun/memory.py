@@ -475,7 +475,8 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
     bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
     one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
-    one group's activations rebuilt during its backward; the adaptor's schedules (--pipeline-schedule) keep each
+    one group's activations rebuilt during its backward; selective recompute adds what one layer's
+    --recompute-modules rebuild during its backward; the adaptor's schedules (--pipeline-schedule) keep each
     micro-batch's stage output until its backward. Swapped tensors count on the host."""
     per_chunk, extra = inflight(shape, args, rank)
     width = BYTES[shape.dtype]
@@ -502,6 +503,10 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
             device += count * dev + extra * wgrad
             host += count * hst
             swapped_back = max(swapped_back, hst)
+            if args.recompute_granularity == "selective":  # what one layer's backward rebuilds first
+                kept = sum(t.nbytes for t in recomputed(args, layer_terms(shape, args, bool(shape.moe_pattern[index]))))
+                rebuilt = max(rebuilt, sum(t.nbytes for t in layer_terms(shape, args, bool(shape.moe_pattern[index])))
+                              - kept)
     if shape.is_first_stage(rank) and args.hidden_dropout > 0:
         mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
         device += per_chunk[0] * layer_input // width * mask  # the embedding's dropout

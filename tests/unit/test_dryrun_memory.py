@@ -131,6 +131,9 @@ def test_sp_cp_and_selective_recompute_cut_activations():
     args, shape = run("--recompute-granularity selective")
     kept = sum(t.nbytes for t in memory.recomputed(args, memory.layer_terms(shape, args)))
     assert kept == LAYER_ACTIVATIONS - 3 * 2 * 4 * 32 * 32 * 4     # core_attn's scores are rebuilt
+    # ... during each layer's backward: one layer's rebuilt scores beside the 4 layers' kept tensors (PP 1: one
+    # micro-batch in flight, and the embedding's dropout mask)
+    assert memory.activations(shape, args, 0) == (4 * kept + 3 * 2 * 4 * 32 * 32 * 4 + SBH, 0)
 
 
 def test_activations_times_inflight_micro_batches():
