@@ -205,17 +205,31 @@ def host_memory(shape: ModelShape, args, rank: int, activations_host: int) -> di
 
 def communication_buffers(shape: ModelShape, args, rank: int) -> int:
     """Buffers the collectives hold beside the model state: HSDP's gather and reduce buckets (two of
-    --hsdp-bucket-size-kb); the pipeline's received activation and gradient (s x b x h each); the sequence-
+    --hsdp-bucket-size-kb; on a CPU at levels 1 and 2 the pool's blocks of a collective fused over every unit);
+    the pipeline's received activation and gradient (s x b x h each); the sequence-
     parallel all-gather buffer megatron keeps (s x b x h). megatron DDP reduces inside its gradient buffer."""
     width = BYTES[shape.dtype]
     sbh = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width
     total = 0
-    level, _ = _hsdp(args)
+    level, shard = _hsdp(args)
     if level:
         bucket_kb = asked(args, "hsdp_bucket_size_kb", 0) or 0
         largest = max((sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)), default=0)
         bucket = min(int(bucket_kb * 1024), largest * width) if bucket_kb > 0 else largest * width
-        total += 2 * bucket  # a bucket holds at most one layer's parameters (buckets do not span modules)
+        if asked(args, "device", "cpu") == "cpu" and level < 3:
+            # on a CPU, HSDP's buffer pool (parallel/hsdp/_pool.py) keeps the two largest blocks a step took, and
+            # levels 1 and 2 take one for a collective fused over every unit, of up to --hsdp-bucket-size-kb: level
+            # 1's reduction at the end of backward (and gloo's receive of S - 1 of its S chunks), level 2's
+            # gather of the updated parameters before the first forward (and one layer's reduction)
+            tensors = [n for _, n in shape.tensors_on(rank)]
+            fused = sum(tensors) * width
+            if bucket_kb == 0:
+                fused = max(tensors, default=0) * width
+            elif bucket_kb > 0:
+                fused = min(fused, int(bucket_kb * 1024))
+            total += fused + (fused * (shard - 1) // shard if level == 1 else bucket)
+        else:
+            total += 2 * bucket  # a bucket holds at most one layer's parameters (buckets do not span modules)
     if shape.pp > 1:
         total += 2 * sbh
     if shape.sp and shape.tp > 1:

@@ -94,6 +94,21 @@ def test_hsdp_levels_shard_what_they_say():
         assert memory.parameters(shape, args, 0) == 4 * n // (4 if params_sharded else 1)
 
 
+def test_hsdp_buffers_on_cpu_are_the_pools_fused_blocks():
+    # two buckets of one layer each in flight on an accelerator; on a CPU HSDP's pool keeps the blocks of the
+    # collective fused over every unit (the default 25 MB bucket holds the whole model): level 1's reduction and
+    # gloo's receive of 3 of its 4 chunks, level 2's gather and one layer's reduction
+    for level, on_cpu in ((1, lambda n: 4 * n + 4 * n * 3 // 4), (2, lambda n: 4 * n + 4 * LAYER),
+                          (3, lambda n: 2 * 4 * LAYER)):
+        args, shape = run(f"--use-hsdp --hsdp-optimizer-level level{level} --global-batch-size 8", 4)
+        n = sum(shape.params_on(0).values())
+        assert memory.communication_buffers(shape, args, 0) == on_cpu(n), level
+        args.device = "cuda"
+        assert memory.communication_buffers(shape, args, 0) == 2 * 4 * LAYER, level
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level1 --hsdp-bucket-size-kb 16 --global-batch-size 8", 4)
+    assert memory.communication_buffers(shape, args, 0) == 16 * 1024 + 16 * 1024 * 3 // 4
+
+
 def test_optimizer_offload_moves_state_to_host():
     args, shape = run("--optimizer-cpu-offload --optimizer-offload-fraction 0.5 --bf16")
     n = sum(shape.params_on(0).values())
