@@ -159,6 +159,11 @@ def main_parameters(shape: ModelShape, args, rank: int) -> int:
     for fp32 parameters, nor with --use-precision-aware-optimizer. The offloaded fraction is on the host."""
     if shape.dtype == "fp32" or asked(args, "use_precision_aware_optimizer", False):
         return 0
+    if args.use_distributed_optimizer and not _hsdp(args)[0]:
+        # megatron's distributed optimizer keeps its fp32 main shards on the device whatever is offloaded: the
+        # offload engine steps them from host masters (patches/memory/optimizer.py releases only the bf16 / fp16
+        # optimizer's copies)
+        return _state_elements(shape, args, rank) * FP32
     return round(_state_elements(shape, args, rank) * FP32 * (1 - _offload_fraction(args)))
 
 
@@ -191,13 +196,18 @@ def _full_optimizer_state(shape, args, rank) -> int:
 
 
 def host_memory(shape: ModelShape, args, rank: int, activations_host: int) -> dict[str, int]:
-    """Host bytes: the offloaded optimizer state and fp32 masters (the host engine keeps an fp32 master of
-    every offloaded element), and the activations swapped out."""
+    """Host bytes: the offloaded optimizer state, fp32 masters (the host engine keeps an fp32 master of
+    every offloaded element) and their fp32 gradients, the host step's temporaries, and the activations swapped
+    out."""
     host = {}
     fraction = _offload_fraction(args)
     if fraction:
         host["optimizer_state"] = round(_full_optimizer_state(shape, args, rank) * fraction)
         host["main_parameters"] = round(_state_elements(shape, args, rank) * FP32 * fraction)
+        # each host master's fp32 gradient (the device gradient is copied into it), and the host optimizer's
+        # per-tensor temporaries (torch's Adam on the CPU: two of the largest tensor)
+        host["gradients"] = host["main_parameters"]
+        host["transient"] = 2 * max((n for _, n in shape.tensors_on(rank)), default=0) * FP32
     if activations_host:
         host["activations"] = activations_host
     return host

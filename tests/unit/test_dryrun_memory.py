@@ -114,7 +114,15 @@ def test_optimizer_offload_moves_state_to_host():
     n = sum(shape.params_on(0).values())
     assert memory.optimizer_state(shape, args, 0) == 8 * n // 2
     assert memory.main_parameters(shape, args, 0) == 4 * n // 2
-    assert memory.host_memory(shape, args, 0, 0) == {"optimizer_state": 8 * n // 2, "main_parameters": 4 * n // 2}
+    # the host masters' fp32 gradients, and torch's per-tensor Adam on the host: two of the largest tensor (the
+    # embedding, 384 x 64) in fp32
+    assert memory.host_memory(shape, args, 0, 0) == {"optimizer_state": 8 * n // 2, "main_parameters": 4 * n // 2,
+                                                     "gradients": 4 * n // 2, "transient": 2 * 384 * 64 * 4}
+    # megatron's distributed optimizer keeps its whole fp32 main shard on the device (DP 2: half the padded buffer)
+    args, shape = run("--optimizer-cpu-offload --bf16 --use-distributed-optimizer --global-batch-size 8", 2)
+    shard = memory.buffer_numel(shape, args, 0, False) // 2
+    assert memory.main_parameters(shape, args, 0) == 4 * shard
+    assert memory.host_memory(shape, args, 0, 0)["main_parameters"] == 4 * shard
 
 
 # one layer of MODEL at fp32 on cpu, per micro-batch (s=32, b=2): sbh = 4096 elements, x 4 bytes
