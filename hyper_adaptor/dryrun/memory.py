@@ -23,6 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hyper_adaptor.dryrun.layer_tensors import (  # noqa: F401  (SWAP_NAMES, Term: the activation side's names here too)
+    SWAP_NAMES,
+    Term,
+    blockwise_cp,
+    layer_terms,
+    linear_grad_outputs,
+    recomputed,
+    swapped_modules,
+)
 from hyper_adaptor.dryrun.shape import BYTES, ModelShape
 from hyper_adaptor.features.base import asked
 
@@ -159,6 +168,11 @@ def main_parameters(shape: ModelShape, args, rank: int) -> int:
     for fp32 parameters, nor with --use-precision-aware-optimizer. The offloaded fraction is on the host."""
     if shape.dtype == "fp32" or asked(args, "use_precision_aware_optimizer", False):
         return 0
+    if args.use_distributed_optimizer and not _hsdp(args)[0]:
+        # megatron's distributed optimizer keeps its fp32 main shards on the device whatever is offloaded: the
+        # offload engine steps them from host masters (patches/memory/optimizer.py releases only the bf16 / fp16
+        # optimizer's copies)
+        return _state_elements(shape, args, rank) * FP32
     return round(_state_elements(shape, args, rank) * FP32 * (1 - _offload_fraction(args)))
 
 
@@ -191,13 +205,18 @@ def _full_optimizer_state(shape, args, rank) -> int:
 
 
 def host_memory(shape: ModelShape, args, rank: int, activations_host: int) -> dict[str, int]:
-    """Host bytes: the offloaded optimizer state and fp32 masters (the host engine keeps an fp32 master of
-    every offloaded element), and the activations swapped out."""
+    """Host bytes: the offloaded optimizer state, fp32 masters (the host engine keeps an fp32 master of
+    every offloaded element) and their fp32 gradients, the host step's temporaries, and the activations swapped
+    out."""
     host = {}
     fraction = _offload_fraction(args)
     if fraction:
         host["optimizer_state"] = round(_full_optimizer_state(shape, args, rank) * fraction)
         host["main_parameters"] = round(_state_elements(shape, args, rank) * FP32 * fraction)
+        # each host master's fp32 gradient (the device gradient is copied into it), and the host optimizer's
+        # per-tensor temporaries (torch's Adam on the CPU: two of the largest tensor)
+        host["gradients"] = host["main_parameters"]
+        host["transient"] = 2 * max((n for _, n in shape.tensors_on(rank)), default=0) * FP32
     if activations_host:
         host["activations"] = activations_host
     return host
@@ -205,17 +224,31 @@ def host_memory(shape: ModelShape, args, rank: int, activations_host: int) -> di
 
 def communication_buffers(shape: ModelShape, args, rank: int) -> int:
     """Buffers the collectives hold beside the model state: HSDP's gather and reduce buckets (two of
-    --hsdp-bucket-size-kb); the pipeline's received activation and gradient (s x b x h each); the sequence-
+    --hsdp-bucket-size-kb; on a CPU at levels 1 and 2 the pool's blocks of a collective fused over every unit);
+    the pipeline's received activation and gradient (s x b x h each); the sequence-
     parallel all-gather buffer megatron keeps (s x b x h). megatron DDP reduces inside its gradient buffer."""
     width = BYTES[shape.dtype]
     sbh = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width
     total = 0
-    level, _ = _hsdp(args)
+    level, shard = _hsdp(args)
     if level:
         bucket_kb = asked(args, "hsdp_bucket_size_kb", 0) or 0
         largest = max((sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)), default=0)
         bucket = min(int(bucket_kb * 1024), largest * width) if bucket_kb > 0 else largest * width
-        total += 2 * bucket  # a bucket holds at most one layer's parameters (buckets do not span modules)
+        if asked(args, "device", "cpu") == "cpu" and level < 3:
+            # on a CPU, HSDP's buffer pool (parallel/hsdp/_pool.py) keeps the two largest blocks a step took, and
+            # levels 1 and 2 take one for a collective fused over every unit, of up to --hsdp-bucket-size-kb: level
+            # 1's reduction at the end of backward (and gloo's receive of S - 1 of its S chunks), level 2's
+            # gather of the updated parameters before the first forward (and one layer's reduction)
+            tensors = [n for _, n in shape.tensors_on(rank)]
+            fused = sum(tensors) * width
+            if bucket_kb == 0:
+                fused = max(tensors, default=0) * width
+            elif bucket_kb > 0:
+                fused = min(fused, int(bucket_kb * 1024))
+            total += fused + (fused * (shard - 1) // shard if level == 1 else bucket)
+        else:
+            total += 2 * bucket  # a bucket holds at most one layer's parameters (buckets do not span modules)
     if shape.pp > 1:
         total += 2 * sbh
     if shape.sp and shape.tp > 1:
@@ -224,160 +257,6 @@ def communication_buffers(shape: ModelShape, args, rank: int) -> int:
 
 
 # -- activations ----------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Term:
-    """One tensor a layer keeps for backward: ``module`` names the submodule that keeps it (the names swap and
-    recompute use), ``nbytes`` its size for one micro-batch on one rank."""
-    name: str
-    module: str
-    nbytes: int
-    linear_input: bool = False   # kept for the weight gradient too (what a zero-bubble W step still needs)
-
-
-def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
-    """What megatron's local-spec TransformerLayer keeps for backward per micro-batch, on one rank.
-
-    s = seq / CP, b = micro-batch, h = hidden, a = heads / TP, B = activation bytes (2 for bf16 / fp16),
-    m = dropout-mask bytes (1 on cuda / npu: a bool mask; B on cpu, where torch's dropout keeps a scaled
-    mask of the input's dtype). Full-width tensors (s x b x h) are divided by TP under sequence parallel.
-    """
-    s, b, h = shape.seq // shape.cp, shape.micro_batch, shape.hidden
-    tp, d = shape.tp, shape.head_dim
-    half = shape.dtype != "fp32"
-    width = BYTES[shape.dtype]
-    mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
-    full = s * b * h // (tp if shape.sp else 1)    # elements of one full-width tensor on this rank
-    sb = s * b // (tp if shape.sp else 1)
-    heads = shape.heads // tp
-    terms = []
-
-    def norm(module):
-        if shape.normalization == "RMSNorm":  # torch's RMSNorm: fp32 copy of the input, 1/rms, normalized fp32
-            if half:
-                terms.append(Term("norm input (fp32)", module, full * FP32))
-            terms.extend([Term("norm rstd", module, sb * FP32), Term("norm normalized (fp32)", module, full * FP32)])
-        else:  # torch's layer_norm: its input, and mean and rstd in fp32
-            terms.extend([Term("norm input", module, full * width), Term("norm mean, rstd", module, 2 * sb * FP32)])
-
-    norm("attn_norm")
-    terms.append(Term("qkv input", "qkv_linear", full * width, True))
-    terms.append(Term("q, k, v", "core_attn", s * b * (shape.heads + 2 * shape.kv_heads) * d // tp * width))
-    if shape.cp > 1:
-        # the adaptor's context-parallel attention (every algorithm) keeps the output and the log-sum-exp and
-        # rebuilds the scores in backward (Ulysses: whole, on a / CP heads; the others a block at a time)
-        terms.append(Term("attention output", "core_attn", s * b * heads * d * width))
-        terms.append(Term("attention log-sum-exp", "core_attn", b * heads * s * FP32))
-        return _after_attention(shape, args, terms, full, sb, width, mask, norm)
-    scores = b * heads * s * shape.seq
-    softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
-    terms.append(Term("softmax output", "core_attn", scores * (FP32 if softmax_fp32 else width)))
-    if softmax_fp32:
-        terms.append(Term("softmax output (cast)", "core_attn", scores * width))
-    if args.attention_dropout > 0:
-        terms.append(Term("attention dropout mask", "core_attn", scores * mask))
-        terms.append(Term("attention dropout output", "core_attn", scores * width))
-    return _after_attention(shape, args, terms, full, sb, width, mask, norm, moe)
-
-
-def _after_attention(shape, args, terms, full, sb, width, mask, norm, moe=False) -> list[Term]:
-    """layer_terms from linear_proj on."""
-    s, b, tp = shape.seq // shape.cp, shape.micro_batch, shape.tp
-    terms.append(Term("proj input", "attn_proj", s * b * shape.heads * shape.head_dim // tp * width, True))
-    if args.hidden_dropout > 0:
-        terms.append(Term("attention residual dropout mask", "bda", full * mask))
-    norm("mlp_norm")
-    if moe:
-        terms.extend(_moe_terms(shape, args, full, width))
-    else:
-        terms.append(Term("fc1 input", "mlp", full * width, True))
-        terms.extend(_mlp_activation(s * b * (shape.ffn // tp), width, shape.swiglu, "mlp"))
-    if args.hidden_dropout > 0:
-        terms.append(Term("mlp residual dropout mask", "bda", full * mask))
-    return terms
-
-
-def _blockwise_cp(shape: ModelShape, args) -> bool:
-    """Context parallel by the adaptor's blockwise attention (every algorithm but Ulysses)."""
-    if shape.cp == 1:
-        return False
-    from hyper_adaptor.features import FEATURES
-
-    feature = next(f for f in FEATURES if f.name == "context_parallel")
-    return feature.algorithm(args) != "ulysses"
-
-
-def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list[Term]:
-    """fc1's output and the activation's (fc2's input). megatron's unfused swiglu also keeps both halves and
-    silu's output: 5 x (tokens x ffn) against gelu's 2."""
-    if swiglu:
-        return [Term("fc1 output", module, 2 * columns * width), Term("swiglu halves, silu", "moe_act"
-                if module == "experts" else module, 2 * columns * width),
-                Term("fc2 input", module, columns * width, True)]
-    return [Term("fc1 output", module, columns * width), Term("fc2 input", module, columns * width, True)]
-
-
-def _moe_terms(shape: ModelShape, args, full: int, width: int) -> list[Term]:
-    """An MoE layer's MLP part: the router's input and its routing tensors (top-k indices int64 and
-    probabilities fp32 per token, the experts' bool routing map and fp32 probabilities, the permutation's int64
-    indices), the permuted tokens, and per expert fc1's output, the activation's and the activation scaled by
-    the routing probability (with those probabilities). Assumption: balanced routing, so each rank's experts get
-    on average s x b x topk tokens (s x b x topk / num_experts per expert, num_experts / EP experts on the rank,
-    tokens from the EP group's ranks)."""
-    s, b = shape.seq // shape.cp, shape.micro_batch
-    tokens = s * b * shape.topk
-    routing = s * b * shape.topk * (8 + FP32) + s * b * shape.num_experts * (1 + FP32) + tokens * 8
-    # the pre-MLP norm's output: the router's input, and the shared experts' (one storage)
-    terms = [Term("router input", "moe", full * width, True), Term("routing", "moe", routing),
-             Term("permuted tokens", "experts", tokens * shape.hidden * width, True)]
-    columns = tokens * (shape.moe_ffn // shape.etp)
-    terms.extend(_mlp_activation(columns, width, shape.swiglu, "experts"))
-    terms.append(Term("activation x probability", "moe_act", columns * width + tokens * FP32))
-    if shape.shared_ffn:
-        terms.extend(_mlp_activation(s * b * shape.shared_ffn // shape.tp, width, shape.swiglu, "shared_experts"))
-    return terms
-
-
-SWAP_NAMES = {  # the adaptor's --swap-modules and megatron's --offload-modules -> layer_terms modules
-    "layer": {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "bda", "mlp_norm", "mlp", "moe", "experts",
-              "moe_act", "shared_experts"},
-    "self_attn": {"qkv_linear", "core_attn", "attn_proj"}, "core_attn": {"core_attn"},
-    "mlp": {"mlp", "moe", "experts", "moe_act", "shared_experts"}, "layernorm": {"attn_norm", "mlp_norm"},
-    "attn_norm": {"attn_norm"}, "qkv_linear": {"qkv_linear"}, "attn_proj": {"attn_proj"},
-    "mlp_norm": {"mlp_norm"}, "expert_fc1": {"experts"},
-}
-
-
-def swapped_modules(args, layer_in_chunk: int) -> set[str]:
-    """The layer_terms modules whose saved tensors go to the host for a layer (its index in its chunk)."""
-    names = set(asked(args, "swap_modules", None) or ())
-    if asked(args, "swap_attention", False):
-        names.add("self_attn")
-    if asked(args, "fine_grained_activation_offloading", False):
-        names.update(asked(args, "offload_modules", None) or ())
-    if layer_in_chunk < (asked(args, "cpu_offloading_num_layers", 0) or 0):
-        names.add("layer")
-    return set().union(*(SWAP_NAMES.get(n, set()) for n in names)) if names else set()
-
-
-def recomputed(args, terms: list[Term]) -> list[Term]:
-    """Selective recompute (--recompute-granularity selective --recompute-modules, megatron's default
-    core_attn): what stays. core_attn keeps q, k, v (its checkpoint's inputs); mlp keeps its input; layernorm
-    keeps the norm's input and drops its output; moe_act drops the activation's extra tensors."""
-    if args.recompute_granularity != "selective":
-        return terms
-    modules = set(args.recompute_modules or ["core_attn"])
-
-    def dropped(t: Term) -> bool:
-        return (("core_attn" in modules and t.module == "core_attn" and t.name != "q, k, v")
-                or ("mlp" in modules and t.module == "mlp" and t.name != "fc1 input")
-                or ("moe" in modules and t.module in ("moe", "experts", "moe_act") and t.name != "router input")
-                or ("moe_act" in modules and t.module == "moe_act")
-                or ("layernorm" in modules and t.name in ("qkv input", "fc1 input", "norm mean, rstd", "norm rstd",
-                                                          "norm normalized (fp32)")))
-
-    return [t for t in terms if not dropped(t)]
-
 
 def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
     """(micro-batches in flight per model chunk of ``rank`` at its peak, those kept until the weight gradient
@@ -390,18 +269,44 @@ def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
     if shape.pp == 1:
         return [1] * chunks, 0
     if shape.schedule:
-        from hyper_adaptor.parallel.pipeline import schedules, timeline
+        from hyper_adaptor.parallel.pipeline import schedules
 
         c = None if shape.schedule in ("gpipe", "1f1b", "zbh1") else (2 if shape.schedule == "zbv" else shape.vpp)
         _, lists = schedules.build(shape.schedule, shape.pp, m, c)
-        until_i, until_w = timeline.inflight_peaks(lists)
-        total, extra = until_i[r], until_w[r] - until_i[r]
+        kept_bytes = pending_bytes = 0  # one micro-batch through all the rank's chunks, kept / waiting for W
+        for index in shape.layers_on(rank):
+            dev, _, wgrad = _layer_bytes(shape, args, index, 0)
+            kept_bytes, pending_bytes = kept_bytes + dev, pending_bytes + wgrad
+        total, extra = _at_backward_peak(lists[r], kept_bytes // chunks, pending_bytes // chunks)
     elif chunks == 1:
         return [min(shape.pp - r, m)], 0
     else:
         total, extra = min(2 * (shape.pp - r - 1) + (chunks - 1) * shape.pp + 1, chunks * m), 0
     per = [total // chunks + (1 if i < total % chunks else 0) for i in range(chunks)]
     return per, extra
+
+
+def _at_backward_peak(steps, kept_bytes: int, pending_bytes: int) -> tuple[int, int]:
+    """(micro-batch chunks whose forward is kept, those whose input gradient is done but weight gradient is not)
+    as a backward (B or I) step begins, at the step where kept x ``kept_bytes`` + pending x ``pending_bytes`` is
+    highest. A forward's activations live until its B / I step; a zero-bubble W step's operands until the W step."""
+    from hyper_adaptor.parallel.pipeline.actions import MetaStepType as T
+
+    kept = pending = 0
+    best, most = (0, 0), -1
+    for step in steps:
+        for half in step.halves():
+            t = half.step_type
+            if t in (T.BWD, T.BWD_INPUT) and kept * kept_bytes + pending * pending_bytes > most:
+                best, most = (kept, pending), kept * kept_bytes + pending * pending_bytes
+            kept += 1 if t is T.FWD else -1 if t in (T.BWD, T.BWD_INPUT) else 0
+            pending += 1 if t is T.BWD_INPUT else -1 if t is T.BWD_WEIGHT else 0
+    return best
+
+
+def _split_weight(shape: ModelShape) -> bool:
+    """The rank's linear layers defer their weight gradients to W steps (the adaptor's zero-bubble schedules)."""
+    return shape.schedule in ("zbh1", "zbv") and shape.pp > 1
 
 
 def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
@@ -415,21 +320,32 @@ def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
             host += t.nbytes
         else:
             device += t.nbytes
-    return device, host, sum(t.nbytes for t in terms if t.linear_input)
+    # a W step's operands: each linear layer's input and output gradient
+    wgrad = sum(t.nbytes for t in terms if t.linear_input)
+    if _split_weight(shape):
+        wgrad += sum(linear_grad_outputs(shape, bool(shape.moe_pattern[index])).values())
+    return device, host, wgrad
 
 
 def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
     bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
     one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
-    one group's activations rebuilt during its backward. Swapped tensors count on the host."""
+    one group's activations rebuilt during its backward; selective recompute adds what one layer's
+    --recompute-modules rebuild during its backward; the adaptor's schedules (--pipeline-schedule) keep each
+    micro-batch's stage output until its backward. Swapped tensors count on the host."""
     per_chunk, extra = inflight(shape, args, rank)
     width = BYTES[shape.dtype]
     layer_input = shape.seq // shape.cp * shape.micro_batch * shape.hidden * width // (shape.tp if shape.sp else 1)
     device = host = rebuilt = swapped_back = 0
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
-    for chunk, count in zip(shape.chunks_on(rank), per_chunk, strict=True):
+    chunks = shape.chunks_on(rank)
+    for number, (chunk, count) in enumerate(zip(chunks, per_chunk, strict=True)):
+        if shape.schedule and shape.pp > 1 and not (shape.is_last_stage(rank) and number == len(chunks) - 1):
+            # the adaptor's pipeline engine frees (megatron's pseudo-free) a stage's sent output only when that
+            # micro-batch's backward begins, not once sent as megatron's own schedules do
+            device += count * layer_input
         for position, index in enumerate(chunk):
             dev, hst, wgrad = _layer_bytes(shape, args, index, position)
             checkpointed = full and (args.recompute_method != "block" or position < group)
@@ -443,6 +359,10 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
             device += count * dev + extra * wgrad
             host += count * hst
             swapped_back = max(swapped_back, hst)
+            if args.recompute_granularity == "selective":  # what one layer's backward rebuilds first
+                kept = sum(t.nbytes for t in recomputed(args, layer_terms(shape, args, bool(shape.moe_pattern[index]))))
+                rebuilt = max(rebuilt, sum(t.nbytes for t in layer_terms(shape, args, bool(shape.moe_pattern[index])))
+                              - kept)
     if shape.is_first_stage(rank) and args.hidden_dropout > 0:
         mask = 1 if asked(args, "device", "cpu") in ("cuda", "npu") else width
         device += per_chunk[0] * layer_input // width * mask  # the embedding's dropout
@@ -458,7 +378,9 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
     """On the stage with the loss: the final norm's output (s x b x h, kept by the output layer), megatron's
     cross entropy's fp32 logits (s x b x vocab / TP, kept for backward and turned into their gradient in
     place), and the output layer's own logits in the parameters' dtype while they are cast; per micro-batch
-    in flight there (GPipe keeps every micro-batch's, the other schedules one)."""
+    in flight there (GPipe keeps every micro-batch's, the other schedules one). Zero-bubble schedules: each
+    micro-batch whose output layer's weight gradient waits for its W step keeps that layer's input and output
+    gradient (s x b x vocab / TP; in fp32 the cross entropy's softmax storage itself)."""
     if not shape.is_last_stage(rank):
         return 0
     width = BYTES[shape.dtype]
@@ -466,22 +388,27 @@ def logits_and_loss(shape: ModelShape, args, rank: int) -> int:
     logits = s * b * shape.vocab // shape.tp
     per = logits * FP32 + (logits * width if width != FP32 else 0) + s * b * shape.hidden * width
     kept = shape.num_micro_batches if shape.schedule == "gpipe" else 1
-    return per * kept
+    waiting = inflight(shape, args, rank)[1] if _split_weight(shape) else 0
+    return per * kept + waiting * (logits + s * b * shape.hidden) * width
 
 
 def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -> int:
     """The largest temporary: inside a layer's backward (softmax's backward makes the scores' gradient while the
     probabilities' gradient is alive, or fc1's output gradient twice; plus the layer input's and output's
-    gradients), HSDP level 3's gathered layer, or the
+    gradients; under a zero-bubble schedule the output gradients of the layer's projection and MLP, kept for
+    its W step while the attention's backward runs), HSDP level 3's gathered layer, or the
     optimizer step's temporaries (cpu: per tensor, twice the largest; cuda / npu: torch's foreach Adam, one
     fp32 tensor per updated element) beyond the activations then freed."""
     width = BYTES[shape.dtype]
     s, b = shape.seq // shape.cp, shape.micro_batch
-    scores = b * shape.heads // shape.tp * s * (s if _blockwise_cp(shape, args) else shape.seq) * width
+    scores = b * shape.heads // shape.tp * s * (s if blockwise_cp(shape, args) else shape.seq) * width
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
         fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
     backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
+    if _split_weight(shape) and shape.layers_on(rank):
+        backward += max(sum(g for name, g in linear_grad_outputs(shape, bool(shape.moe_pattern[i])).items()
+                            if name != "qkv") for i in shape.layers_on(rank))
     level, _ = _hsdp(args)
     if level == 3 and shape.layers_on(rank):
         backward += max(sum(n for _, n in shape.layer_tensors(i)) for i in shape.layers_on(rank)) * width

@@ -7,6 +7,11 @@ patches registered in a PatchManager of the run's own, so the reference runs on 
 grad norms, gradients and parameters are compared (1e-5: the schedules run the same micro-batch computations
 in another order and accumulate each parameter's micro-batches in the same order, so they come out bitwise
 equal in practice, bf16 included; ZBV in bf16: see TOL_V_BF16).
+
+Memory (MEMORY_RUNS): what each training call of a zero-bubble schedule leaves alive must not grow from one
+call to the next. The deferred weight gradients once kept every micro-batch's graph on the loss stage in a
+reference cycle (tests/unit/pipeline/test_megatron_wgrad.py), so that megatron.training's memory rose each
+iteration until Python's cyclic collector ran; the runs below keep the collector off to see any such cycle.
 """
 
 import types
@@ -33,6 +38,12 @@ V_BF16_NORM_RTOL = 3e-4
 
 MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64, moe_token_dispatcher_type="allgather",
            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2)
+# (case, schedule) runs whose engine calls are watched by the benches' StorageTracker (the loss stage on the
+# last and, in the V, on the first pipeline rank; fp32, where the output layer's grad_output is the logits
+# tensor itself: in bf16 the cast to fp32 before the cross entropy breaks that cycle), and the growth allowed
+# from the first training call's leftovers to the second's: the storages the call returns (its loss tensors)
+MEMORY_RUNS = {("DP2xPP2", "zbh1"), ("PP4-VPP2-untied", "zbv")}
+LEFT_GROWTH_BYTES = 1024
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 # name -> (layout, our schedules): megatron's own schedule runs the layout first, as the reference
 CASES = {
@@ -76,22 +87,32 @@ def _args(schedule: str, layout: dict):
 
 def train_schedules(rank: int, world_size: int, cases: dict) -> dict:
     import collections
+    import gc
 
     import torch.distributed as dist
 
     from hyper_adaptor.features import get
     from hyper_adaptor.patch_manager import Patch, PatchManager
     from hyper_adaptor.patches.pipeline import wgrad
+    from hyper_adaptor.testing.measure import StorageTracker
     from tests.distributed import gpt_parity
 
     feature = get("pipeline")
     results = {}
     served = collections.Counter()  # schedule name -> forward-backward calls the engine ran
 
+    watch = {"tracker": None, "left": []}
+
     def counting(original):
         def forward_backward(name, **kwargs):
             served[name] += 1
-            return original(name, **kwargs)
+            tracker = watch["tracker"]
+            if tracker is None or kwargs.get("forward_only"):
+                return original(name, **kwargs)
+            with tracker:  # bytes made inside the engine's training calls and still alive after them
+                out = original(name, **kwargs)
+            watch["left"].append(tracker.live)
+            return out
 
         return forward_backward
 
@@ -110,8 +131,17 @@ def train_schedules(rank: int, world_size: int, cases: dict) -> dict:
             manager.register(Patch("hyper_adaptor.patches.pipeline.schedules.forward_backward", counting, "wrap",
                                    "test"))
             before, deferred = served[schedule], wgrad.DEFERRED_RUNS[0]
-            with manager.applied():
-                results[case][schedule] = gpt_parity.train(rank, world_size, Layout(**layout), init)
+            watched = (case, schedule) in MEMORY_RUNS
+            watch.update(tracker=StorageTracker("cpu") if watched else None, left=[])
+            if watched:
+                gc.disable()  # a reference cycle then stays alive, whenever the collector would have run
+            try:
+                with manager.applied():
+                    results[case][schedule] = gpt_parity.train(rank, world_size, Layout(**layout), init)
+            finally:
+                gc.enable()
+            if watched:
+                results[case][schedule]["left"] = watch["left"]
             # the engine ran every step and the evaluation (not megatron's schedule)
             results[case][schedule]["served"] = served[schedule] - before
             results[case][schedule]["deferred"] = wgrad.DEFERRED_RUNS[0] - deferred
@@ -138,3 +168,7 @@ def test_every_schedule_matches_megatrons_own():
                 assert have["served"] == len(have["loss"]) + 1, (case, schedule, r)
                 # zero-bubble schedules computed megatron's linear weight gradients in W steps
                 assert (have["deferred"] > 0) == (schedule in ("zbh1", "zbv")), (case, schedule, r)
+                if (case, schedule) in MEMORY_RUNS:
+                    left = have["left"]
+                    assert len(left) == STEPS and left[1] - left[0] <= LEFT_GROWTH_BYTES, \
+                        f"{case} {schedule} rank {r}: bytes left alive after each training call grew: {left}"

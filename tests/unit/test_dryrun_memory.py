@@ -94,12 +94,35 @@ def test_hsdp_levels_shard_what_they_say():
         assert memory.parameters(shape, args, 0) == 4 * n // (4 if params_sharded else 1)
 
 
+def test_hsdp_buffers_on_cpu_are_the_pools_fused_blocks():
+    # two buckets of one layer each in flight on an accelerator; on a CPU HSDP's pool keeps the blocks of the
+    # collective fused over every unit (the default 25 MB bucket holds the whole model): level 1's reduction and
+    # gloo's receive of 3 of its 4 chunks, level 2's gather and one layer's reduction
+    for level, on_cpu in ((1, lambda n: 4 * n + 4 * n * 3 // 4), (2, lambda n: 4 * n + 4 * LAYER),
+                          (3, lambda n: 2 * 4 * LAYER)):
+        args, shape = run(f"--use-hsdp --hsdp-optimizer-level level{level} --global-batch-size 8", 4)
+        n = sum(shape.params_on(0).values())
+        assert memory.communication_buffers(shape, args, 0) == on_cpu(n), level
+        args.device = "cuda"
+        assert memory.communication_buffers(shape, args, 0) == 2 * 4 * LAYER, level
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level1 --hsdp-bucket-size-kb 16 --global-batch-size 8", 4)
+    assert memory.communication_buffers(shape, args, 0) == 16 * 1024 + 16 * 1024 * 3 // 4
+
+
 def test_optimizer_offload_moves_state_to_host():
     args, shape = run("--optimizer-cpu-offload --optimizer-offload-fraction 0.5 --bf16")
     n = sum(shape.params_on(0).values())
     assert memory.optimizer_state(shape, args, 0) == 8 * n // 2
     assert memory.main_parameters(shape, args, 0) == 4 * n // 2
-    assert memory.host_memory(shape, args, 0, 0) == {"optimizer_state": 8 * n // 2, "main_parameters": 4 * n // 2}
+    # the host masters' fp32 gradients, and torch's per-tensor Adam on the host: two of the largest tensor (the
+    # embedding, 384 x 64) in fp32
+    assert memory.host_memory(shape, args, 0, 0) == {"optimizer_state": 8 * n // 2, "main_parameters": 4 * n // 2,
+                                                     "gradients": 4 * n // 2, "transient": 2 * 384 * 64 * 4}
+    # megatron's distributed optimizer keeps its whole fp32 main shard on the device (DP 2: half the padded buffer)
+    args, shape = run("--optimizer-cpu-offload --bf16 --use-distributed-optimizer --global-batch-size 8", 2)
+    shard = memory.buffer_numel(shape, args, 0, False) // 2
+    assert memory.main_parameters(shape, args, 0) == 4 * shard
+    assert memory.host_memory(shape, args, 0, 0)["main_parameters"] == 4 * shard
 
 
 # one layer of MODEL at fp32 on cpu, per micro-batch (s=32, b=2): sbh = 4096 elements, x 4 bytes
@@ -131,6 +154,9 @@ def test_sp_cp_and_selective_recompute_cut_activations():
     args, shape = run("--recompute-granularity selective")
     kept = sum(t.nbytes for t in memory.recomputed(args, memory.layer_terms(shape, args)))
     assert kept == LAYER_ACTIVATIONS - 3 * 2 * 4 * 32 * 32 * 4     # core_attn's scores are rebuilt
+    # ... during each layer's backward: one layer's rebuilt scores beside the 4 layers' kept tensors (PP 1: one
+    # micro-batch in flight, and the embedding's dropout mask)
+    assert memory.activations(shape, args, 0) == (4 * kept + 3 * 2 * 4 * 32 * 32 * 4 + SBH, 0)
 
 
 def test_activations_times_inflight_micro_batches():
@@ -145,6 +171,29 @@ def test_activations_times_inflight_micro_batches():
     args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule gpipe "
                       "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 2)
     assert memory.activations(shape, args, 1) == (4 * 2 * SBH + LAYER_ACTIVATIONS, 0)
+
+
+def test_zero_bubble_keeps_each_deferred_weight_gradients_operands():
+    # ZB-H1 at PP 2, 4 micro-batches: rank 1 runs F0 I0 F1 I1 W0 ...; as I1 begins micro-batch 1 is kept whole
+    # and micro-batch 0 waits for its W step, holding each linear layer's input and output gradient
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule zbh1", 2)
+    assert memory.inflight(shape, args, 0) == ([2], 0) and memory.inflight(shape, args, 1) == ([1], 1)
+    tokens = 32 * 2
+    inputs = 3 * SBH + tokens * 256 * 4                          # qkv, proj, fc1 inputs (s x b x h); fc2's (ffn)
+    grad_outputs = tokens * 192 * 4 + tokens * 64 * 4 + tokens * 256 * 4 + tokens * 64 * 4   # qkv, proj, fc1, fc2
+    assert memory.linear_grad_outputs(shape) == {"qkv": tokens * 192 * 4, "proj": SBH, "fc1": tokens * 256 * 4,
+                                                 "fc2": SBH}
+    assert memory.activations(shape, args, 1) == (2 * LAYER_ACTIVATIONS + 2 * (inputs + grad_outputs), 0)
+    # rank 0 (not the loss stage): the engine also keeps each kept micro-batch's sent output until its backward
+    assert memory.activations(shape, args, 0) == (2 * 2 * LAYER_ACTIVATIONS + 2 * SBH + 2 * SBH, 0)
+    # the waiting micro-batch's output layer: its input and its output gradient (the fp32 logits' storage)
+    logits = 32 * 2 * 384 * 4 + SBH
+    assert memory.logits_and_loss(shape, args, 1) == logits + logits
+    # the layer in backward keeps its projection's and MLP's output gradients through the attention's backward
+    # (the backward's temporaries, not the optimizer step's: those are freed activations' bytes here)
+    one_f_one_b = run("--pipeline-model-parallel-size 2 --global-batch-size 8", 2)
+    assert memory.transient(shape, args, 1, 10**9) == memory.transient(*reversed(one_f_one_b), 1, 10**9) + \
+        grad_outputs - tokens * 192 * 4
 
 
 def test_logits_on_the_last_stage():

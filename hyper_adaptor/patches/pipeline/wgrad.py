@@ -39,8 +39,12 @@ class DeferredWeightGrad:
     __slots__ = ("input", "weight", "grad_output", "sequence_parallel", "tp_group", "fused")
 
     def __init__(self, ctx, grad_output, fused: bool):
-        self.input, self.weight = ctx.saved_tensors
-        self.grad_output = grad_output
+        # detached: the product needs the values only, not the graph the tensors belong to (the loss stage's
+        # grad_output is megatron's cross entropy's softmax, computed in place in the logits: it carries the
+        # output layer's own autograd node, and with it the whole micro-batch's graph)
+        inp, self.weight = ctx.saved_tensors
+        self.input = inp.detach()
+        self.grad_output = grad_output.detach()
         self.sequence_parallel = ctx.sequence_parallel
         self.tp_group = ctx.tp_group
         self.fused = fused
@@ -90,6 +94,11 @@ def _wrap_backward(original):
         try:
             grads = list(original(ctx, grad_output))
         finally:
+            # megatron appended grad_output to the buffer on ctx; the queue below holds it. Left there it would
+            # live as long as ctx, the autograd node: on the loss stage grad_output's own grad_fn is that node
+            # (see DeferredWeightGrad), a reference cycle that kept every deferred micro-batch's graph, and
+            # the grad_outputs on its nodes, alive until Python's cyclic collector happened to run
+            ctx.grad_output_buffer = None
             for name, value in (("main_grad", had_main_grad), ("grad_added_to_main_grad", had_added)):
                 if value is _ABSENT:
                     if hasattr(weight, name):
