@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from bench.dry_run import MODEL  # noqa: E402
+from bench.dry_run import MODEL, spearman  # noqa: E402  (one Spearman for both benches)
 from hyper_adaptor.testing.measure import machine, machine_line, report  # noqa: E402
 from hyper_adaptor.testing.measure import mib as _mib  # noqa: E402
 
@@ -54,32 +54,6 @@ def spread(n: int, k: int) -> list[int]:
     if n <= k:
         return list(range(n))
     return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
-
-
-def ranks(values: list[float]) -> list[float]:
-    order = sorted(range(len(values)), key=values.__getitem__)
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
-
-
-def spearman(a: list[float], b: list[float]) -> float | None:
-    """Spearman's rank correlation (Pearson's on the ranks, ties averaged)."""
-    if len(a) < 2:
-        return None
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    va = sum((x - ma) ** 2 for x in ra) ** 0.5
-    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
-    return cov / (va * vb) if va and vb else None
 
 
 def planned(memory_mib: float, bound: int):
