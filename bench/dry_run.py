@@ -6,7 +6,7 @@ models; the measured and predicted parts at the peak side by side; the measured 
 ``hyper_adaptor.dryrun.timing.predict_time`` on this machine's calibration (measured once and cached, about a
 minute the first time): the ratio per row and the Spearman rank correlation over the rows.
 
-Run from the repository root (about 15 minutes on a 2-core machine)::
+Run from the repository root (204 s on an idle 2-core machine, calibration included)::
 
     python bench/dry_run.py                  # the whole matrix
     python bench/dry_run.py --quick          # 3 rows, a smaller model, 2 tracked iterations
