@@ -331,7 +331,9 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
     bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
     one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
-    one group's activations rebuilt during its backward; selective recompute adds what one layer's
+    one group's activations rebuilt during its backward (under a zero-bubble schedule also the rebuilt linear
+    inputs and output gradients the W steps wait for: the waiting micro-batches' and, as the chunk's first group
+    is rebuilt, its later layers'); selective recompute adds what one layer's
     --recompute-modules rebuild during its backward; the adaptor's schedules (--pipeline-schedule) keep each
     micro-batch's stage output until its backward. Swapped tensors count on the host."""
     per_chunk, extra = inflight(shape, args, rank)
@@ -341,7 +343,9 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
     chunks = shape.chunks_on(rank)
+    split = _split_weight(shape)
     for number, (chunk, count) in enumerate(zip(chunks, per_chunk, strict=True)):
+        queued = 0  # this chunk's checkpointed layers' deferred weight-gradient operands, current micro-batch
         if shape.schedule and shape.pp > 1 and not (shape.is_last_stage(rank) and number == len(chunks) - 1):
             # the adaptor's pipeline engine frees (megatron's pseudo-free) a stage's sent output only when that
             # micro-batch's backward begins, not once sent as megatron's own schedules do
@@ -350,11 +354,19 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
             dev, hst, wgrad = _layer_bytes(shape, args, index, position)
             checkpointed = full and (args.recompute_method != "block" or position < group)
             if checkpointed:
+                unit = group if args.recompute_method != "block" else 1
                 if args.recompute_method != "block":
                     device += count * layer_input * (position % group == 0)
                 else:
                     device += count * layer_input
-                rebuilt = max(rebuilt, dev * (group if args.recompute_method != "block" else 1))
+                if split:
+                    # a zero-bubble W step needs the linear inputs the recompute rebuilt and the output gradients:
+                    # the weight-gradient queue holds them past the layer's backward, for every micro-batch
+                    # waiting for its W step and for the layers of this micro-batch already through their I step
+                    device += extra * wgrad
+                    if position >= unit:
+                        queued += wgrad
+                rebuilt = max(rebuilt, dev * unit + queued)
                 continue
             device += count * dev + extra * wgrad
             host += count * hst

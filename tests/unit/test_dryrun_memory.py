@@ -196,6 +196,22 @@ def test_zero_bubble_keeps_each_deferred_weight_gradients_operands():
         grad_outputs - tokens * 192 * 4
 
 
+def test_zero_bubble_under_full_recompute_keeps_the_rebuilt_weight_gradient_operands():
+    # ZB-H1 at PP 2 with every layer checkpointed: a layer's W step still needs its linear inputs (rebuilt by the
+    # recompute) and output gradients, so the queue keeps them past the layer's backward
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule zbh1 "
+                      "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 2)
+    tokens = 32 * 2
+    operands = 3 * SBH + tokens * 256 * 4 + tokens * 192 * 4 + tokens * 64 * 4 + tokens * 256 * 4 + tokens * 64 * 4
+    # rank 1 as I1 begins: the 2 layers' checkpointed inputs of micro-batch 1, micro-batch 0's 2 layers waiting
+    # for W0; while its first layer is rebuilt, micro-batch 1's second layer is already queued
+    assert memory.activations(shape, args, 1) == (2 * SBH + 2 * operands + LAYER_ACTIVATIONS + operands, 0)
+    # rank 0 runs every W right after its I: only the current micro-batch's second layer waits; 2 micro-batches
+    # keep their 2 checkpointed inputs, their sent outputs and the embedding's dropout mask
+    assert memory.activations(shape, args, 0) == (2 * 2 * SBH + 2 * SBH + 2 * SBH + LAYER_ACTIVATIONS + operands,
+                                                  0)
+
+
 def test_logits_on_the_last_stage():
     args, shape = run("--pipeline-model-parallel-size 2", 2)
     assert memory.logits_and_loss(shape, args, 0) == 0
