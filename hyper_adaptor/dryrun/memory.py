@@ -119,11 +119,16 @@ def _dense_and_expert(shape, args, rank) -> list[tuple[int, int]]:
 def parameters(shape: ModelShape, args, rank: int) -> int:
     """The model's parameters in their dtype (bf16 / fp16 with --bf16 / --fp16: megatron builds them in it).
     With the distributed optimizer they live in DDP's padded parameter buffer. HSDP level 3 keeps a 1/shard
-    slice (the gathered layer is in ``transient``)."""
+    slice, and the root unit gathered through forward and backward (the gathered layer is in ``transient``)."""
     level, shard = _hsdp(args)
     width = BYTES[shape.dtype]
     if level == 3:
-        return sum(n for _, n in shape.tensors_on(rank)) * width // shard
+        # the chunk's root unit (embeddings, final norm, output layer: all but the transformer layers) stays
+        # gathered from its forward to its backward (patches/hsdp/data_parallel.py), so at the peak it is whole
+        # beside its shard
+        total = sum(n for _, n in shape.tensors_on(rank))
+        root = total - sum(n for i in shape.layers_on(rank) for _, n in shape.layer_tensors(i))
+        return total * width // shard + root * width
     return sum(n for n, _ in _dense_and_expert(shape, args, rank)) * width
 
 
@@ -137,10 +142,16 @@ def grad_bytes(shape: ModelShape, args) -> int:
 
 def gradients(shape: ModelShape, args, rank: int) -> int:
     """megatron DDP's contiguous gradient buffer (``main_grad``), allocated when the model is wrapped and kept
-    for the whole run; HSDP level 1 keeps whole gradients, levels 2 and 3 a 1/shard slice."""
+    for the whole run; HSDP level 1 keeps whole gradients, levels 2 and 3 a 1/shard slice (whole and unreduced
+    while micro-batches accumulate)."""
     level, shard = _hsdp(args)
     if level:
         count = sum(n for _, n in shape.tensors_on(rank))
+        if level >= 2 and shape.num_micro_batches > 1:
+            # megatron's no_sync keeps every micro-batch's backward but the last one's local (patches/hsdp): the
+            # full parameters' gradients accumulate unreduced, in their dtype, and are reduced to the shards only
+            # during the last backward; its start (the peak) holds them whole and no shard yet
+            return count * BYTES[shape.dtype]
         width = BYTES[asked(args, "hsdp_reduce_dtype", None) or shape.dtype] \
             if asked(args, "hsdp_reduce_dtype", None) in BYTES else grad_bytes(shape, args)
         return count * width // (shard if level >= 2 else 1)

@@ -91,7 +91,21 @@ def test_hsdp_levels_shard_what_they_say():
         n = sum(shape.params_on(0).values())
         assert memory.optimizer_state(shape, args, 0) == 8 * -(-n // 4)
         assert memory.gradients(shape, args, 0) == 4 * n // (4 if grads_sharded else 1)
-        assert memory.parameters(shape, args, 0) == 4 * n // (4 if params_sharded else 1)
+        # level 3: the root unit (embedding 384 x 64, positions 32 x 64, final norm 128) stays gathered too
+        root = 384 * 64 + 32 * 64 + 128
+        assert memory.parameters(shape, args, 0) == (4 * n // 4 + 4 * root if params_sharded else 4 * n)
+
+
+def test_hsdp_gradients_stay_whole_while_micro_batches_accumulate():
+    # DP 2 at global batch 8: 2 micro-batches; megatron's no_sync keeps the first one's gradients local, whole
+    # and unreduced, until the last backward reduces them (level 1 keeps them whole anyway)
+    for level in ("level1", "level2", "level3"):
+        args, shape = run(f"--use-hsdp --hsdp-optimizer-level {level} --global-batch-size 8", 2)
+        n = sum(shape.params_on(0).values())
+        assert shape.num_micro_batches == 2 and memory.gradients(shape, args, 0) == 4 * n, level
+    # in the parameters' dtype (bf16), not megatron's fp32 gradient buffer
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --bf16", 2)
+    assert memory.gradients(shape, args, 0) == 2 * sum(shape.params_on(0).values())
 
 
 def test_hsdp_buffers_on_cpu_are_the_pools_fused_blocks():
