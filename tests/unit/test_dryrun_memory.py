@@ -96,6 +96,20 @@ def test_hsdp_levels_shard_what_they_say():
         assert memory.parameters(shape, args, 0) == (4 * n // 4 + 4 * root if params_sharded else 4 * n)
 
 
+def test_hsdp_level3_under_full_recompute_keeps_the_regathered_layers():
+    # each checkpointed layer's recomputed forward prefetches the next layer (its backward already done), which
+    # stays gathered until backward ends: as layer 0 is rebuilt, layers 1-3 are whole beside the shards and root
+    root = 384 * 64 + 32 * 64 + 128
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
+                      "--recompute-method uniform --recompute-num-layers 1", 4)
+    n = sum(shape.params_on(0).values())
+    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 3 * LAYER)
+    # block: only layers 0 and 1 are rerun, so only layers 1 and 2 are gathered again
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
+                      "--recompute-method block --recompute-num-layers 2", 4)
+    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 2 * LAYER)
+
+
 def test_hsdp_gradients_stay_whole_while_micro_batches_accumulate():
     # DP 2 at global batch 8: 2 micro-batches; megatron's no_sync keeps the first one's gradients local, whole
     # and unreduced, until the last backward reduces them (level 1 keeps them whole anyway)
