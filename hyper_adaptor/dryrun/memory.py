@@ -119,12 +119,35 @@ def _dense_and_expert(shape, args, rank) -> list[tuple[int, int]]:
 def parameters(shape: ModelShape, args, rank: int) -> int:
     """The model's parameters in their dtype (bf16 / fp16 with --bf16 / --fp16: megatron builds them in it).
     With the distributed optimizer they live in DDP's padded parameter buffer. HSDP level 3 keeps a 1/shard
-    slice (the gathered layer is in ``transient``)."""
+    slice, and the root unit gathered through forward and backward, and under full recompute the layers the
+    recomputation gathers again (:func:`_regathered`; the layer in backward is in ``transient``)."""
     level, shard = _hsdp(args)
     width = BYTES[shape.dtype]
     if level == 3:
-        return sum(n for _, n in shape.tensors_on(rank)) * width // shard
+        # the chunk's root unit (embeddings, final norm, output layer: all but the transformer layers) stays
+        # gathered from its forward to its backward (patches/hsdp/data_parallel.py), so at the peak it is whole
+        # beside its shard
+        total = sum(n for _, n in shape.tensors_on(rank))
+        root = total - sum(n for i in shape.layers_on(rank) for _, n in shape.layer_tensors(i))
+        return total * width // shard + (root + _regathered(shape, args, rank)) * width
     return sum(n for n, _ in _dense_and_expert(shape, args, rank)) * width
+
+
+def _regathered(shape: ModelShape, args, rank: int) -> int:
+    """HSDP level 3 under full recompute: parameters gathered again by the recomputation and kept to the end of
+    backward. A checkpointed layer's forward, rerun inside backward, is not yet in that unit's backward, so its
+    pre-forward hook starts the forward prefetch of the next unit in module order (parallel/hsdp/_state.py)
+    - a layer whose backward is already done - and that copy is freed only when the whole backward ends. As
+    the chunk's first layer is rebuilt (the latest point), every layer after a checkpointed one is whole."""
+    if args.recompute_granularity != "full":
+        return 0
+    group = args.recompute_num_layers or 1
+    total = 0
+    for chunk in shape.chunks_on(rank):
+        for position, index in enumerate(chunk[1:]):   # position: the predecessor's place in the chunk
+            if args.recompute_method != "block" or position < group:
+                total += sum(n for _, n in shape.layer_tensors(index))
+    return total
 
 
 def grad_bytes(shape: ModelShape, args) -> int:
@@ -137,10 +160,16 @@ def grad_bytes(shape: ModelShape, args) -> int:
 
 def gradients(shape: ModelShape, args, rank: int) -> int:
     """megatron DDP's contiguous gradient buffer (``main_grad``), allocated when the model is wrapped and kept
-    for the whole run; HSDP level 1 keeps whole gradients, levels 2 and 3 a 1/shard slice."""
+    for the whole run; HSDP level 1 keeps whole gradients, levels 2 and 3 a 1/shard slice (whole and unreduced
+    while micro-batches accumulate)."""
     level, shard = _hsdp(args)
     if level:
         count = sum(n for _, n in shape.tensors_on(rank))
+        if level >= 2 and shape.num_micro_batches > 1:
+            # megatron's no_sync keeps every micro-batch's backward but the last one's local (patches/hsdp): the
+            # full parameters' gradients accumulate unreduced, in their dtype, and are reduced to the shards only
+            # during the last backward; its start (the peak) holds them whole and no shard yet
+            return count * BYTES[shape.dtype]
         width = BYTES[asked(args, "hsdp_reduce_dtype", None) or shape.dtype] \
             if asked(args, "hsdp_reduce_dtype", None) in BYTES else grad_bytes(shape, args)
         return count * width // (shard if level >= 2 else 1)
@@ -331,7 +360,9 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     """(device, host) bytes of the activations kept for backward at the rank's peak: per chunk, each layer's
     bytes x the micro-batches in flight; full recompute keeps only the checkpointed layers' inputs (uniform:
     one per --recompute-num-layers group; block: the first --recompute-num-layers layers of each chunk) and
-    one group's activations rebuilt during its backward; selective recompute adds what one layer's
+    one group's activations rebuilt during its backward (under a zero-bubble schedule also the rebuilt linear
+    inputs and output gradients the W steps wait for: the waiting micro-batches' and, as the chunk's first group
+    is rebuilt, its later layers'); selective recompute adds what one layer's
     --recompute-modules rebuild during its backward; the adaptor's schedules (--pipeline-schedule) keep each
     micro-batch's stage output until its backward. Swapped tensors count on the host."""
     per_chunk, extra = inflight(shape, args, rank)
@@ -341,7 +372,9 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
     full = args.recompute_granularity == "full"
     group = args.recompute_num_layers or 1
     chunks = shape.chunks_on(rank)
+    split = _split_weight(shape)
     for number, (chunk, count) in enumerate(zip(chunks, per_chunk, strict=True)):
+        queued = 0  # this chunk's checkpointed layers' deferred weight-gradient operands, current micro-batch
         if shape.schedule and shape.pp > 1 and not (shape.is_last_stage(rank) and number == len(chunks) - 1):
             # the adaptor's pipeline engine frees (megatron's pseudo-free) a stage's sent output only when that
             # micro-batch's backward begins, not once sent as megatron's own schedules do
@@ -350,11 +383,19 @@ def activations(shape: ModelShape, args, rank: int) -> tuple[int, int]:
             dev, hst, wgrad = _layer_bytes(shape, args, index, position)
             checkpointed = full and (args.recompute_method != "block" or position < group)
             if checkpointed:
+                unit = group if args.recompute_method != "block" else 1
                 if args.recompute_method != "block":
                     device += count * layer_input * (position % group == 0)
                 else:
                     device += count * layer_input
-                rebuilt = max(rebuilt, dev * (group if args.recompute_method != "block" else 1))
+                if split:
+                    # a zero-bubble W step needs the linear inputs the recompute rebuilt and the output gradients:
+                    # the weight-gradient queue holds them past the layer's backward, for every micro-batch
+                    # waiting for its W step and for the layers of this micro-batch already through their I step
+                    device += extra * wgrad
+                    if position >= unit:
+                        queued += wgrad
+                rebuilt = max(rebuilt, dev * unit + queued)
                 continue
             device += count * dev + extra * wgrad
             host += count * hst

@@ -91,7 +91,35 @@ def test_hsdp_levels_shard_what_they_say():
         n = sum(shape.params_on(0).values())
         assert memory.optimizer_state(shape, args, 0) == 8 * -(-n // 4)
         assert memory.gradients(shape, args, 0) == 4 * n // (4 if grads_sharded else 1)
-        assert memory.parameters(shape, args, 0) == 4 * n // (4 if params_sharded else 1)
+        # level 3: the root unit (embedding 384 x 64, positions 32 x 64, final norm 128) stays gathered too
+        root = 384 * 64 + 32 * 64 + 128
+        assert memory.parameters(shape, args, 0) == (4 * n // 4 + 4 * root if params_sharded else 4 * n)
+
+
+def test_hsdp_level3_under_full_recompute_keeps_the_regathered_layers():
+    # each checkpointed layer's recomputed forward prefetches the next layer (its backward already done), which
+    # stays gathered until backward ends: as layer 0 is rebuilt, layers 1-3 are whole beside the shards and root
+    root = 384 * 64 + 32 * 64 + 128
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
+                      "--recompute-method uniform --recompute-num-layers 1", 4)
+    n = sum(shape.params_on(0).values())
+    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 3 * LAYER)
+    # block: only layers 0 and 1 are rerun, so only layers 1 and 2 are gathered again
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
+                      "--recompute-method block --recompute-num-layers 2", 4)
+    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 2 * LAYER)
+
+
+def test_hsdp_gradients_stay_whole_while_micro_batches_accumulate():
+    # DP 2 at global batch 8: 2 micro-batches; megatron's no_sync keeps the first one's gradients local, whole
+    # and unreduced, until the last backward reduces them (level 1 keeps them whole anyway)
+    for level in ("level1", "level2", "level3"):
+        args, shape = run(f"--use-hsdp --hsdp-optimizer-level {level} --global-batch-size 8", 2)
+        n = sum(shape.params_on(0).values())
+        assert shape.num_micro_batches == 2 and memory.gradients(shape, args, 0) == 4 * n, level
+    # in the parameters' dtype (bf16), not megatron's fp32 gradient buffer
+    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --bf16", 2)
+    assert memory.gradients(shape, args, 0) == 2 * sum(shape.params_on(0).values())
 
 
 def test_hsdp_buffers_on_cpu_are_the_pools_fused_blocks():
@@ -194,6 +222,22 @@ def test_zero_bubble_keeps_each_deferred_weight_gradients_operands():
     one_f_one_b = run("--pipeline-model-parallel-size 2 --global-batch-size 8", 2)
     assert memory.transient(shape, args, 1, 10**9) == memory.transient(*reversed(one_f_one_b), 1, 10**9) + \
         grad_outputs - tokens * 192 * 4
+
+
+def test_zero_bubble_under_full_recompute_keeps_the_rebuilt_weight_gradient_operands():
+    # ZB-H1 at PP 2 with every layer checkpointed: a layer's W step still needs its linear inputs (rebuilt by the
+    # recompute) and output gradients, so the queue keeps them past the layer's backward
+    args, shape = run("--pipeline-model-parallel-size 2 --global-batch-size 8 --pipeline-schedule zbh1 "
+                      "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 2)
+    tokens = 32 * 2
+    operands = 3 * SBH + tokens * 256 * 4 + tokens * 192 * 4 + tokens * 64 * 4 + tokens * 256 * 4 + tokens * 64 * 4
+    # rank 1 as I1 begins: the 2 layers' checkpointed inputs of micro-batch 1, micro-batch 0's 2 layers waiting
+    # for W0; while its first layer is rebuilt, micro-batch 1's second layer is already queued
+    assert memory.activations(shape, args, 1) == (2 * SBH + 2 * operands + LAYER_ACTIVATIONS + operands, 0)
+    # rank 0 runs every W right after its I: only the current micro-batch's second layer waits; 2 micro-batches
+    # keep their 2 checkpointed inputs, their sent outputs and the embedding's dropout mask
+    assert memory.activations(shape, args, 0) == (2 * 2 * SBH + 2 * SBH + 2 * SBH + LAYER_ACTIVATIONS + operands,
+                                                  0)
 
 
 def test_logits_on_the_last_stage():
