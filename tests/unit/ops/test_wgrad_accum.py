@@ -9,7 +9,7 @@ import hyper_adaptor.megatron_adaptor  # noqa: F401  (level 0 before any megatro
 from hyper_adaptor.ops import backend as ops_backend
 from hyper_adaptor.ops import wgrad_accum as module
 from hyper_adaptor.ops.wgrad_accum import KERNELS, WGRAD_ACCUM, wgrad_accum
-from tests.unit.ops._world import open_world_of_one
+from tests.unit.ops._world import megatron_world_of_one
 
 # A bf16 x bf16 product is exact in fp32, so bf16 inputs into an fp32 main_grad carry only fp32
 # summation error: the same tolerance as fp32 inputs. Rounding the product to bf16 first (the
@@ -281,21 +281,8 @@ def test_out_of_memory_in_out_dtype_mm_propagates_and_is_retried(out_dtype_mm, m
 
 @pytest.fixture
 def world_of_one():
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
-
-    created = open_world_of_one()
-    owned = not ps.model_parallel_is_initialized()
-    if owned:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    try:
+    with megatron_world_of_one():
         yield
-    finally:
-        if owned:
-            ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
 
 
 @pytest.fixture

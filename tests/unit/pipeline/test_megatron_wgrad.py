@@ -16,30 +16,18 @@ import pytest
 import torch
 
 import hyper_adaptor.megatron_adaptor  # noqa: F401  (before megatron, as a training script's line)
-from tests.unit.ops._world import open_world_of_one
+from tests.unit.ops._world import megatron_world_of_one
 
 VOCAB, HIDDEN, SEQ, BATCH = 32, 16, 8, 2
 
 
 @pytest.fixture
 def megatron_tp1():
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    created = open_world_of_one()
-    owned = not ps.model_parallel_is_initialized()
-    if owned:
-        ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    try:
+    with megatron_world_of_one():
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
         yield
-    finally:
-        if owned:
-            ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
 
 
 @contextlib.contextmanager
