@@ -389,10 +389,10 @@ def plan(argv: list[str], calibration=None, out=None) -> tuple[int, Plan | None]
     world, device = opts["--world-size"], opts["--device"]
     evaluator = Evaluator(model_flags, world, device, opts["--device-memory"] * GIB, calibration)
     evaluator.model  # noqa: B018  (bad model flags end here, before a calibration is measured)
-    if calibration is None:
-        from hyper_adaptor.dryrun import calibrate
+    if calibration is None:  # dry-run's: the cache, or a measurement announced first, or nominal figures
+        from hyper_adaptor.dryrun.report import calibration as machine_calibration
 
-        evaluator.calibration = calibrate.get(device, allow_nominal=True)
+        evaluator.calibration = machine_calibration(device, out)
     result = search(model_flags, world, opts["--device-memory"], device, evaluator.calibration,
                     bound=opts["--bound"], evaluator=evaluator)
     if result.configurations == 0:
