@@ -12,6 +12,9 @@ Run from the repository root (204 s on an idle 2-core machine, calibration inclu
     python bench/dry_run.py --quick          # 3 rows, a smaller model, 2 tracked iterations
     python bench/dry_run.py --rows dp2 tp2-sp  # some rows (names: --list)
     python bench/dry_run.py --recalibrate    # measure the step-time calibration again first (an idle machine)
+    python bench/dry_run.py --script ../Megatron-LM/pretrain_gpt.py --rows dp2 pp2-zbh1
+        # the measured runs use another pretrain script (e.g. a Megatron-LM core_r0.19.0 checkout's own, with
+        # the one import line): the prediction is the same command line's; results go to dry_run-<script dir>.json
 """
 
 from __future__ import annotations
@@ -190,12 +193,13 @@ def time_summary(rows: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------------------- rows
 def run_row(name: str, nproc: int, extra: list[str], model: list[str], iters: int, timed: int,
-            predicted, timeout: float, calibration=None) -> dict:
+            predicted, timeout: float, calibration=None, script=None) -> dict:
     flags = [*model, *extra]
     start = time.perf_counter()
     row = {"name": name, "nproc": nproc, "flags": extra, "error": None}
     try:
-        measured = measure(flags, nproc, iters=iters, timed_iters=timed, timeout=timeout)
+        measured = measure(flags, nproc, iters=iters, timed_iters=timed, timeout=timeout,
+                           **({"script": script} if script else {}))
     except RuntimeError as error:  # one failed row is reported, the others still run
         row.update(error=str(error)[-3000:], wall_s=time.perf_counter() - start)
         print(f"{name}: FAILED\n{str(error)[-1500:]}", flush=True)
@@ -251,8 +255,8 @@ def run(args) -> dict:
     if predicted is None:
         print("hyper_adaptor.dryrun is not available: the predicted columns are '-'", flush=True)
     calibration = _calibration(args.recalibrate)  # before the rows: a first calibration must not overlap a measured row
-    rows = [run_row(name, *ROWS[name], model, args.iters, args.timed_iters, predicted, args.timeout, calibration)
-            for name in names]
+    rows = [run_row(name, *ROWS[name], model, args.iters, args.timed_iters, predicted, args.timeout, calibration,
+                    args.script) for name in names]
     targets = [{"target": f"predicted / measured peak within {TOLERANCE:.0%} on every rank", "where": r["name"],
                 "value": r["worst_ratio"], "met": abs(r["worst_ratio"] - 1) <= TOLERANCE}
                for r in rows if r.get("worst_ratio") is not None]
@@ -268,7 +272,9 @@ def run(args) -> dict:
         "bench": "dry_run", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python bench/dry_run.py" + (" --quick" if args.quick else "")
                    + (f" --rows {' '.join(args.rows)}" if args.rows else "")
-                   + (" --recalibrate" if args.recalibrate else ""),
+                   + (" --recalibrate" if args.recalibrate else "")
+                   + (f" --script {args.script}" if args.script else ""),
+        "script": args.script or "examples/pretrain_gpt.py",
         "model": " ".join(model), "tracked_iterations": args.iters, "timed_iterations": args.timed_iters,
         "method": "peak: hyper_adaptor.testing.peak_run (live CPU tensor storages created from the model build "
                   "through the last tracked iteration; host tier apart); step time: median of the untracked "
@@ -319,6 +325,7 @@ def table(result: dict) -> str:
     notes = ["", "Rows: " + "; ".join(f"{row['name']}: {' '.join(row['flags']) or '(DDP)'}"
                                       for row in result["rows"]),
              f"Model: {result['model']}.",
+             f"Measured with: {result.get('script', 'examples/pretrain_gpt.py')}.",
              f"Peak: {result['method']}. {result['tracked_iterations']} tracked + {result['timed_iterations']} "
              f"timed iterations.",
              "Failed rows: " + (", ".join(f"{row['name']}" for row in result["rows"] if row["error"]) or "none") + "."]
@@ -376,8 +383,19 @@ def main(argv=None):
     parser.add_argument("--recalibrate", action="store_true",
                         help="measure this machine's calibration again before the rows (on an idle machine, as the "
                              "rows are), replacing the cached one the predicted step time otherwise uses")
-    parser.add_argument("--json", default=str(DEFAULT_JSON))
+    parser.add_argument("--script", help="the pretrain script the measured runs use (default: "
+                                          "examples/pretrain_gpt.py), e.g. a Megatron-LM checkout's pretrain_gpt.py "
+                                          "with the one import line; its megatron is the checkout's")
+    parser.add_argument("--json", help=f"where the result goes (default: {DEFAULT_JSON.relative_to(REPO_ROOT)}, "
+                                       "or dry_run-<the script's directory>.json with --script)")
     args = parser.parse_args(argv)
+    if args.script:
+        args.script = str(Path(args.script).resolve())
+        if not Path(args.script).is_file():
+            parser.error(f"--script {args.script}: no such file")
+    if args.json is None:
+        args.json = str(DEFAULT_JSON if not args.script else
+                        DEFAULT_JSON.with_name(f"dry_run-{Path(args.script).parent.name.lower()}.json"))
     if args.list:
         for name, (nproc, flags) in ROWS.items():
             print(f"{name:26s} {nproc}  {' '.join(flags)}")
@@ -387,7 +405,7 @@ def main(argv=None):
         args.timed_iters = min(args.timed_iters, 1)
     result = run(args)
     # a subset of the rows is a partial result: beside the recorded matrix (as --quick's), never over it
-    return report(result, table(result), args.json, quick=args.quick or bool(args.rows))
+    return report(result, table(result), args.json, quick=args.quick or (bool(args.rows) and not args.script))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ second (or later) step is all allocated (optimizer state exists from the first s
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -301,7 +302,7 @@ def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
         from hyper_adaptor.parallel.pipeline import schedules
 
         c = None if shape.schedule in ("gpipe", "1f1b", "zbh1") else (2 if shape.schedule == "zbv" else shape.vpp)
-        _, lists = schedules.build(shape.schedule, shape.pp, m, c)
+        lists = _steady_lists(shape.schedule, shape.pp, schedules.steady_micro(shape.schedule, shape.pp, m), c)
         kept_bytes = pending_bytes = 0  # one micro-batch through all the rank's chunks, kept / waiting for W
         for index in shape.layers_on(rank):
             dev, _, wgrad = _layer_bytes(shape, args, index, 0)
@@ -313,6 +314,15 @@ def inflight(shape: ModelShape, args, rank: int) -> tuple[list[int], int]:
         total, extra = min(2 * (shape.pp - r - 1) + (chunks - 1) * shape.pp + 1, chunks * m), 0
     per = [total // chunks + (1 if i < total % chunks else 0) for i in range(chunks)]
     return per, extra
+
+
+@functools.lru_cache(maxsize=256)
+def _steady_lists(name: str, pp: int, micro: int, chunks: int | None):
+    """The schedule's per-rank lists at a count with the same in-flight peaks (the engine's ``steady_micro``),
+    cached: a planner asks for the same ones for every candidate of a layout."""
+    from hyper_adaptor.parallel.pipeline import schedules
+
+    return schedules.build(name, pp, micro, chunks)[1]
 
 
 def _at_backward_peak(steps, kept_bytes: int, pending_bytes: int) -> tuple[int, int]:

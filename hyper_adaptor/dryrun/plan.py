@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import io
 import math
 import sys
@@ -50,6 +49,7 @@ from hyper_adaptor.dryrun.plan_space import (  # noqa: F401  (the space's names,
 from hyper_adaptor.dryrun.shape import DEVICES
 from hyper_adaptor.dryrun.shape import parse as _parse
 from hyper_adaptor.dryrun.shape import parser as _parser
+from hyper_adaptor.parallel.pipeline import schedules
 
 PROG = "hyper_adaptor plan"
 GIB = 1024 ** 3
@@ -72,44 +72,11 @@ class PlanError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------- evaluation
-STEADY = 4  # past STEADY x PP micro-batches the split-weight schedules are built at 3 x PP + m mod PP
-
-
-def steady_micro(name: str, pp: int, micro: int) -> int:
-    """The micro-batch count a schedule's lists are built at during the search (see steady_schedules)."""
-    return 3 * pp + micro % pp if name != "gpipe" and micro > STEADY * pp else micro
-
-
-@contextlib.contextmanager
-def steady_schedules():
-    """Schedule action lists built once per (schedule, PP, micro-batches, chunks), and past 4 x PP micro-batches
-    built at 3 x PP + (m mod PP), for the memory model's in-flight peaks and the pipeline feature's check: the
-    peaks are those of the steady state (tests/unit/test_dryrun_plan.py checks they are the same as the whole
-    lists'), and the lists of a thousand micro-batches take seconds to a minute to build. GPipe (m in flight)
-    is never shortened: the search does not evaluate it past 4 x PP micro-batches (1F1B's step, more memory)."""
-    from hyper_adaptor.parallel.pipeline import schedules
-    from hyper_adaptor.patches.pipeline import schedules as patched
-
-    original = schedules.build
-    bound = patched.build
-
-    @functools.lru_cache(maxsize=256)
-    def build(name, ranks, micro, chunks=None, *, forward_only=False, overlap_b_f=False):
-        return original(name, ranks, steady_micro(name, ranks, micro), chunks, forward_only=forward_only,
-                        overlap_b_f=overlap_b_f)
-
-    schedules.build = patched.build = build
-    try:
-        yield
-    finally:
-        schedules.build, patched.build = original, bound
-
-
 def dominated(model: Model, candidate: Candidate, world: int) -> str:
     """A configuration never better than another of the space, without evaluating it (or "")."""
     layout = candidate.layout
     m = model.global_batch // (candidate.micro_batch * (world // (layout.tp * layout.pp * layout.cp)))
-    if layout.schedule == "gpipe" and m > STEADY * layout.pp:
+    if layout.schedule == "gpipe" and m > schedules.STEADY * layout.pp:
         return "slower or equal: gpipe (1F1B's step with every micro-batch in flight)"
     return ""
 
@@ -224,46 +191,45 @@ def search(model_flags, world: int, device_memory: float, device: str, calibrati
     space.sort(key=lambda lay: (lay.tp * lay.pp * lay.cp, lay.vpp, bool(lay.schedule), lay.algo, -lay.ep))
     fits, smallest = [], None
     promising = []
-    with steady_schedules():
-        probe_budget = max(bound // 2, 1)
-        for index, layout in enumerate(space):
-            mbs, modes = sizes[layout]
-            n = len(mbs) * len(modes) * len(RECOMPUTE)
-            if evaluator.count >= probe_budget:
-                lost[f"not evaluated (search bound {bound})"] += sum(
-                    len(sizes[lay][0]) * len(sizes[lay][1]) * len(RECOMPUTE) for lay in space[index:])
+    probe_budget = max(bound // 2, 1)
+    for index, layout in enumerate(space):
+        mbs, modes = sizes[layout]
+        n = len(mbs) * len(modes) * len(RECOMPUTE)
+        if evaluator.count >= probe_budget:
+            lost[f"not evaluated (search bound {bound})"] += sum(
+                len(sizes[lay][0]) * len(sizes[lay][1]) * len(RECOMPUTE) for lay in space[index:])
+            break
+        sharded = [m for m in ("distopt", "hsdp-level3") if m in modes] or ["ddp"]
+        reason = dominated(model, Candidate(layout, mbs[-1]), world)
+        if reason:
+            lost[reason] += n
+            continue
+        outcome = None
+        smallest_mbs = next(b for b in mbs if not dominated(model, Candidate(layout, b), world))
+        for mode in sharded:
+            outcome = evaluator(Candidate(layout, smallest_mbs, mode, "full"))
+            if smallest is None or (outcome.peak and outcome.peak < smallest.peak):
+                smallest = outcome if outcome.peak else smallest
+            if outcome.verdict != "oom":
                 break
-            sharded = [m for m in ("distopt", "hsdp-level3") if m in modes] or ["ddp"]
-            reason = dominated(model, Candidate(layout, mbs[-1]), world)
-            if reason:
-                lost[reason] += n
-                continue
-            outcome = None
-            smallest_mbs = next(b for b in mbs if not dominated(model, Candidate(layout, b), world))
-            for mode in sharded:
-                outcome = evaluator(Candidate(layout, smallest_mbs, mode, "full"))
-                if smallest is None or (outcome.peak and outcome.peak < smallest.peak):
-                    smallest = outcome if outcome.peak else smallest
-                if outcome.verdict != "oom":
-                    break
-            if outcome.verdict == "refused":
-                lost[f"refused: {outcome.message}"] += n
-            elif outcome.verdict == "oom":
-                lost[_oom(outcome)] += n
-            else:
-                promising.append((outcome.seconds - outcome.step.parts.get("recompute", 0.0), layout))
-        promising.sort(key=lambda x: x[0])
-        queue = [Candidate(layout, b, mode) for _, layout in promising for b in sizes[layout][0]
-                 for mode in sizes[layout][1]]
-        for index, candidate in enumerate(queue):
-            if evaluator.count >= bound:
-                lost[f"not evaluated (search bound {bound})"] += len(RECOMPUTE) * (len(queue) - index)
-                break
-            reason = dominated(model, candidate, world)
-            if reason:
-                lost[reason] += len(RECOMPUTE)
-            else:
-                _variants(evaluator, candidate, fits, lost)
+        if outcome.verdict == "refused":
+            lost[f"refused: {outcome.message}"] += n
+        elif outcome.verdict == "oom":
+            lost[_oom(outcome)] += n
+        else:
+            promising.append((outcome.seconds - outcome.step.parts.get("recompute", 0.0), layout))
+    promising.sort(key=lambda x: x[0])
+    queue = [Candidate(layout, b, mode) for _, layout in promising for b in sizes[layout][0]
+             for mode in sizes[layout][1]]
+    for index, candidate in enumerate(queue):
+        if evaluator.count >= bound:
+            lost[f"not evaluated (search bound {bound})"] += len(RECOMPUTE) * (len(queue) - index)
+            break
+        reason = dominated(model, candidate, world)
+        if reason:
+            lost[reason] += len(RECOMPUTE)
+        else:
+            _variants(evaluator, candidate, fits, lost)
     fits.sort(key=lambda o: (o.seconds, o.peak, len(o.candidate.flags())))
     return Plan(fits, pruned, lost, len(space), total, evaluator.count, time.perf_counter() - start, bound,
                 None if fits else smallest)

@@ -103,10 +103,11 @@ class Pipeline(Feature):
             _check_pairs(args, flag, name)
         micro = _micro_batches(args)
         if micro is not None:
+            from hyper_adaptor.parallel.pipeline.schedules import steady_micro
             from hyper_adaptor.patches.pipeline.schedules import action_lists
 
-            try:
-                action_lists(name, pp, micro, chunks, False, pairs)
+            try:  # the check at a count with the same checks (steady_micro); the run builds its whole lists
+                action_lists(name, pp, steady_micro(name, pp, micro), chunks, False, pairs)
             except ValueError as err:
                 raise FeatureConfigError(str(err)) from err
 

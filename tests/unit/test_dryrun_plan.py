@@ -221,25 +221,27 @@ def test_shortened_lists_keep_the_in_flight_peaks(name, chunks, pp):
     from hyper_adaptor.parallel.pipeline import schedules, timeline
 
     for micro in (4 * pp + 1, 5 * pp, 6 * pp + 3):
-        short = plan.steady_micro(name, pp, micro)
+        short = schedules.steady_micro(name, pp, micro)
         assert short < micro and short % pp == micro % pp
         whole = timeline.inflight_peaks(schedules.build(name, pp, micro, chunks)[1])
         steady = timeline.inflight_peaks(schedules.build(name, pp, short, chunks)[1])
         assert whole == steady
 
 
-def test_memory_under_the_shortened_lists_is_the_whole_lists():
+def test_memory_under_the_shortened_lists_is_the_whole_lists(monkeypatch):
+    from hyper_adaptor.parallel.pipeline import schedules
+
     flags = [*MODEL, "--global-batch-size", "40", "--micro-batch-size", "1", "--pipeline-model-parallel-size", "2",
              "--untie-embeddings-and-output-weights", "--num-virtual-stages-per-pipeline-rank", "2",
              "--pipeline-schedule", "zbv"]
-    args = parse(flags, 2)
-    whole = [r.peak for r in memory.predict(args).ranks]
-    with plan.steady_schedules():
-        assert [r.peak for r in memory.predict(parse(flags, 2)).ranks] == whole
-    from hyper_adaptor.parallel.pipeline import schedules
-    from hyper_adaptor.patches.pipeline import schedules as patched
-
-    assert patched.build is schedules.build and schedules.build.__module__.endswith("schedules")
+    assert schedules.steady_micro("zbv", 2, 40) < 40  # the model builds the shortened lists here
+    shortened = [r.peak for r in memory.predict(parse(flags, 2)).ranks]
+    monkeypatch.setattr(schedules, "steady_micro", lambda name, ranks, micro: micro)
+    memory._steady_lists.cache_clear()
+    try:
+        assert [r.peak for r in memory.predict(parse(flags, 2)).ranks] == shortened
+    finally:
+        memory._steady_lists.cache_clear()
 
 
 def test_a_reused_parser_gives_the_namespace_of_a_fresh_one():
