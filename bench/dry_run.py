@@ -57,6 +57,7 @@ MOE = ["--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--pos
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
 CP2 = ["--context-parallel-size", "2", "--context-parallel-algo"]
+RECOMPUTE_FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 # name -> (ranks, flags beyond MODEL). Together: TP / SP, PP under 1F1B, interleaved (VPP), GPipe, ZB-H1 and
 # ZBV, each CP algorithm, EP, HSDP levels 1-3, the distributed optimizer, full and selective recompute,
@@ -79,8 +80,7 @@ ROWS = {
     "hsdp-level2": (2, ["--use-hsdp", "--hsdp-optimizer-level", "level2"]),
     "hsdp-level3": (2, ["--use-hsdp", "--hsdp-optimizer-level", "level3"]),
     "distopt": (2, ["--use-distributed-optimizer"]),
-    "recompute-full": (2, ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                           "--recompute-num-layers", "1"]),
+    "recompute-full": (2, RECOMPUTE_FULL),
     "recompute-selective-pp2": (2, [*PP2, "--recompute-granularity", "selective"]),
     "swap-attention": (2, ["--swap-attention", "--swap-prefetch-layers", "1", "--min-offloaded-tensor-size", "0"]),
     "bf16": (2, ["--bf16"]),
@@ -88,6 +88,12 @@ ROWS = {
     "bf16-offload-main-copies": (2, ["--bf16", "--optimizer-cpu-offload"]),
     "tp2-pp2-distopt-bf16": (4, ["--tensor-model-parallel-size", "2", *PP2, "--use-distributed-optimizer",
                                  "--bf16"]),
+    # the combinations the planner's validation found mispredicted (bench/plan_validate.py): ZB-H1 keeps the
+    # recomputed W operands; HSDP level 3 keeps unreduced gradients over micro-batches and its root unit, and
+    # re-gathers under recompute
+    "pp2-zbh1-recompute-full": (2, [*PP2, "--pipeline-schedule", "zbh1", *RECOMPUTE_FULL]),
+    "cp2-dp2-hsdp-level3": (4, [*CP2, "megatron_cp_algo", "--use-hsdp", "--hsdp-optimizer-level", "level3"]),
+    "hsdp-level3-recompute-full": (2, ["--use-hsdp", "--hsdp-optimizer-level", "level3", *RECOMPUTE_FULL]),
 }
 QUICK_ROWS = ("dp2", "pp2-1f1b", "hsdp-level3")
 # the predicted parts each measured class is compared with
