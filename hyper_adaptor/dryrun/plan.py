@@ -187,23 +187,27 @@ def search(model_flags, world: int, device_memory: float, device: str, calibrati
         sizes[layout] = (mbs, dp_modes(layout, world))
     total = sum(len(m) * len(d) * len(RECOMPUTE) for m, d in sizes.values())
     space = [layout for layout in space if sizes[layout][0]]
-    # probe the layouts with the least model parallelism first: under the bound they are the likelier winners
+    # one probe per layout (its smallest micro-batch, sharded optimizer state, full recompute: its leanest
+    # configuration), breadth first: one layout of each (TP, PP, CP, EP) with the least model parallelism
+    # first, then the other layouts of those the probes found fastest (their schedules, chunks and CP
+    # algorithms), so that a bound well under the space still reaches every degree of parallelism
     space.sort(key=lambda lay: (lay.tp * lay.pp * lay.cp, lay.vpp, bool(lay.schedule), lay.algo, -lay.ep))
+    groups: dict[tuple, list[Layout]] = {}
+    for layout in space:
+        groups.setdefault((layout.tp, layout.pp, layout.cp, layout.ep), []).append(layout)
     fits, smallest = [], None
-    promising = []
+    promising, scores = [], {}
     probe_budget = max(bound // 2, 1)
-    for index, layout in enumerate(space):
+
+    def probe(layout: Layout) -> None:
+        nonlocal smallest
         mbs, modes = sizes[layout]
         n = len(mbs) * len(modes) * len(RECOMPUTE)
-        if evaluator.count >= probe_budget:
-            lost[f"not evaluated (search bound {bound})"] += sum(
-                len(sizes[lay][0]) * len(sizes[lay][1]) * len(RECOMPUTE) for lay in space[index:])
-            break
         sharded = [m for m in ("distopt", "hsdp-level3") if m in modes] or ["ddp"]
         reason = dominated(model, Candidate(layout, mbs[-1]), world)
         if reason:
             lost[reason] += n
-            continue
+            return
         outcome = None
         smallest_mbs = next(b for b in mbs if not dominated(model, Candidate(layout, b), world))
         for mode in sharded:
@@ -217,7 +221,29 @@ def search(model_flags, world: int, device_memory: float, device: str, calibrati
         elif outcome.verdict == "oom":
             lost[_oom(outcome)] += n
         else:
-            promising.append((outcome.seconds - outcome.step.parts.get("recompute", 0.0), layout))
+            seconds = outcome.seconds - outcome.step.parts.get("recompute", 0.0)
+            promising.append((seconds, layout))
+            key = (layout.tp, layout.pp, layout.cp, layout.ep)
+            scores[key] = min(scores.get(key, math.inf), seconds)
+
+    first = [members[0] for members in groups.values()]
+    rest = [layout for members in groups.values() for layout in members[1:]]
+    unprobed = []
+    for index, layout in enumerate(first):
+        if evaluator.count >= probe_budget:
+            unprobed = first[index:] + rest
+            break
+        probe(layout)
+    else:
+        rest.sort(key=lambda lay: scores.get((lay.tp, lay.pp, lay.cp, lay.ep), math.inf))
+        for index, layout in enumerate(rest):
+            if evaluator.count >= probe_budget:
+                unprobed = rest[index:]
+                break
+            probe(layout)
+    if unprobed:
+        lost[f"not evaluated (search bound {bound})"] += sum(
+            len(sizes[lay][0]) * len(sizes[lay][1]) * len(RECOMPUTE) for lay in unprobed)
     promising.sort(key=lambda x: x[0])
     queue = [Candidate(layout, b, mode) for _, layout in promising for b in sizes[layout][0]
              for mode in sizes[layout][1]]

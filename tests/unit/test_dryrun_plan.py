@@ -149,6 +149,27 @@ def test_the_losers_are_grouped_by_what_bound_them():
     assert plan.gap(best, best) == plan.TIE
 
 
+def test_probes_reach_every_degree_of_parallelism_before_a_second_layout_of_one():
+    class Spy(plan.Evaluator):
+        def _evaluate(self, candidate, timed):
+            seen.append(candidate)
+            return super()._evaluate(candidate, timed)
+
+    seen = []
+    cal = fixed_calibration()
+    evaluator = Spy(MODEL, 8, "cpu", 2 ** 40, cal)
+    result = plan.search(MODEL, 8, 1024.0, "cpu", cal, bound=40, evaluator=evaluator)
+    layouts = plan.layouts(evaluator.model, 8, Counter())
+    degrees = {(lay.tp, lay.pp, lay.cp, lay.ep) for lay in layouts}
+    assert len(layouts) > 20 > len(degrees) > 4                  # the bound's probes (20) cannot see every layout
+    probes = [c.layout for c in seen[:len(degrees)]]
+    # the first probes: one layout of each TP x PP x CP x EP, the least model parallelism first
+    assert {(lay.tp, lay.pp, lay.cp, lay.ep) for lay in probes} == degrees
+    sizes = [lay.tp * lay.pp * lay.cp for lay in probes]
+    assert sizes == sorted(sizes)
+    assert result.lost["not evaluated (search bound 40)"] > 0
+
+
 def test_validation_bench_helpers():
     from bench.plan_validate import spearman, spread
 
