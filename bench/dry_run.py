@@ -273,7 +273,7 @@ def run(args) -> dict:
                         "value": step_time["spearman"], "met": step_time["spearman"] >= SPEARMAN_TARGET})
     if calibration is not None:
         step_time["calibration"] = {k: getattr(calibration, k) for k in (
-            "machine", "created", "seconds", "cores", "threads", "collective_source", "framework", "oversubscribed")}
+            "machine", "created", "seconds", "cores", "threads", "collective_source", "framework", "compute_steps")}
     return {
         "bench": "dry_run", "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": "python bench/dry_run.py" + (" --quick" if args.quick else "")

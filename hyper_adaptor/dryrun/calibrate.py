@@ -32,7 +32,7 @@ from pathlib import Path
 from hyper_adaptor.environment import CACHE_ENV
 
 DEVICES = ("cpu", "cuda", "npu")
-FORMAT = 1
+FORMAT = 2  # 2: the compute scales (framework's matmul_scale / elementwise_scale) and their steps
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # where a device cannot measure its collectives (one accelerator, no second rank): a link of this latency and
 # bandwidth is assumed, and the calibration says so (``collective_source``)
@@ -68,9 +68,8 @@ class Calibration:
     # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
     # measured (the small torch layer above stands in for a layer then)
     framework: dict[str, float] = dataclasses.field(default_factory=dict)
-    # a CPU with few cores: a small all-reduce's median time on a world of twice as many ranks as cores, where
-    # a blocking collective waits for its partners to be scheduled ({"ranks", "latency_s"}; empty otherwise)
-    oversubscribed: dict[str, float] = dataclasses.field(default_factory=dict)
+    # the GPT steps the scales in ``framework`` were fitted on (shape, TP when > 1, measured seconds)
+    compute_steps: list[dict] = dataclasses.field(default_factory=list)
     # the device <-> host copy rate of one direction (swap and offload traffic); 0: not measured, the
     # device's assumed link (HOST_LINK) stands in
     host_link_bytes_per_s: float = 0.0
@@ -370,7 +369,7 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         used_threads = torch.get_num_threads()
     finally:
         torch.set_num_threads(threads)
-    framework, oversubscribed = {}, {}
+    framework = {}
     if quick:
         latency, rate = ASSUMED_LINK[device]
         collectives = {op: {"latency_s": latency, "bytes_per_s": rate} for op in COLLECTIVES}
@@ -381,13 +380,25 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         collectives, source = worlds.collectives(device)
         if device == "cpu":
             framework = worlds.framework()
-            oversubscribed = worlds.oversubscribed()
-    return Calibration(
+    steps = framework.pop("compute_steps", [])
+    comm_step = framework.pop("comm_step", None)
+    cal = Calibration(
         device=device, host=socket.gethostname(), machine=machine_id(device), torch_version=torch.__version__,
         threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory,
         layer_overhead_s=overhead, collectives=collectives, collective_source=source, framework=framework,
-        oversubscribed=oversubscribed,
-        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), seconds=time.perf_counter() - start)
+        compute_steps=steps,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    if steps:
+        from hyper_adaptor.dryrun.timing import fit_compute_scales
+
+        cal.framework.update(fit_compute_scales(cal, steps))
+    if comm_step:
+        from hyper_adaptor.dryrun.timing import fit_comm_scale
+
+        cal.compute_steps.append(comm_step)
+        cal.framework.update(fit_comm_scale(cal, comm_step))
+    cal.seconds = time.perf_counter() - start
+    return cal
 
 
 def describe(cal: Calibration) -> str:
@@ -398,11 +409,14 @@ def describe(cal: Calibration) -> str:
     lines.append(f"  memory bandwidth {cal.memory_bytes_per_s / 1e9:.2f} GB/s; "
                  f"small layer forward+backward {cal.layer_overhead_s * 1e3:.2f} ms")
     if cal.framework:
-        lines.append("  megatron-core fixed costs: "
-                     + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in cal.framework.items()))
-    if cal.oversubscribed:
-        lines.append(f"  a small all-reduce on {cal.oversubscribed['ranks']:g} ranks (more than the cores): "
-                     f"{cal.oversubscribed['latency_s'] * 1e3:.2f} ms")
+        lines.append("  megatron-core fixed costs: " + ", ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in cal.framework.items() if k.endswith("_s")))
+    scales = {k: v for k, v in cal.framework.items() if k.endswith("_scale")}
+    if scales:
+        lines.append("  a training step's compute against the micro-benchmarks: matmuls x "
+                     f"{scales.get('matmul_scale', 1.0):.2f}, elementwise x {scales.get('elementwise_scale', 1.0):.2f} "
+                     f"(fitted on one-rank GPT steps); collectives inside a step x "
+                     f"{scales.get('comm_scale', 1.0):.2f} (a 2-rank TP step)")
     lines.append(f"  collectives ({cal.collective_source}): " + "; ".join(
         f"{op} {c['latency_s'] * 1e6:.0f} us + {c['bytes_per_s'] / 1e9:.2f} GB/s"
         for op, c in cal.collectives.items()))

@@ -1,14 +1,14 @@
 """The calibration's measurements that start worlds of ranks (``hyper_adaptor.dryrun.calibrate`` runs them):
-the latency and bandwidth of each collective on a 2-rank world of the device's backend, the wait of a small
-all-reduce on a CPU world of more ranks than cores, and megatron-core's own fixed costs per layer, micro-batch
-and step, from one-rank GPT steps. The worlds come from the benches' launcher (``hyper_adaptor.testing.world``):
-this module is a micro-benchmark of the machine, as the benches are."""
+the latency and bandwidth of each collective on a 2-rank world of the device's backend, and megatron-core's own
+fixed costs per layer, micro-batch and step and the slowdown of a real step's compute, from one-rank GPT steps.
+The worlds come from the benches' launcher (``hyper_adaptor.testing.world``): this module is a micro-benchmark
+of the machine, as the benches are."""
 
 from __future__ import annotations
 
 import time
 
-from hyper_adaptor.dryrun.calibrate import ASSUMED_LINK, COLLECTIVES, _cores, _timer
+from hyper_adaptor.dryrun.calibrate import ASSUMED_LINK, COLLECTIVES, _timer
 
 
 def _collective_rank(rank: int, world_size: int, device: str, sizes: list[int], reps: int) -> dict:
@@ -65,45 +65,16 @@ def _exchange(dist, rank, buf, recv):
         req.wait()
 
 
-def _oversubscribed_rank(rank: int, world_size: int, reps: int) -> float:
-    import statistics
-
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    buf = torch.ones(1024)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    return statistics.median(times)
-
-
-def oversubscribed() -> dict:
-    """On a CPU of at most 8 cores, runs with more ranks than cores are common (this project's tests): the
-    latency of a collective there is the wait for every partner's turn on a core, measured directly."""
-    from hyper_adaptor.testing.world import WorldError, run_world
-
-    cores = _cores()
-    if cores > 8:
-        return {}
-    ranks = 2 * cores
-    try:
-        latency = max(run_world(ranks, "hyper_adaptor.dryrun.calibrate_worlds:_oversubscribed_rank", timeout=120,
-                                reps=200))
-    except WorldError:
-        return {}
-    return {"ranks": ranks, "latency_s": latency}
-
-
-def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
+def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
     """megatron-core's fixed costs, from one-rank GPT training steps so small that their arithmetic is
     negligible: steps of (layers, micro-batches) = (1, 1), (3, 1), (1, 3) give a layer per micro-batch, a
-    micro-batch and a step by differences. The model is built as bench/_gpt_step.py builds it (local spec, DDP,
-    megatron's Adam)."""
+    micro-batch and a step by differences. Then the steps of COMPUTE_SHAPES, whose arithmetic is not negligible:
+    their seconds (under "compute_steps") let the caller fit how much slower a training step's matmuls and
+    elementwise work run than the micro-benchmarks (``timing.fit_compute_scales``). With ``tp`` 2 (a 2-rank
+    world) only COMM_SHAPE's step, tensor parallel with sequence parallel: its seconds (the slower rank's, under
+    "comm_step") give how much longer the collectives inside a step take than the idle micro-benchmark
+    (``timing.fit_comm_scale``). The model is built as bench/_gpt_step.py builds it (local spec, DDP, megatron's
+    Adam)."""
     import logging
     import warnings
 
@@ -129,21 +100,23 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     from megatron.core.transformer import TransformerConfig
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    hidden, heads, seq, vocab, micro_batch = 16, 2, 16, 64, 1
-    position_ids = torch.arange(seq).unsqueeze(0)
-    tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
-    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": position_ids,
-             "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5}
+    torch.manual_seed(1234)  # the same tokens on every rank of a TP group
 
-    def build(layers: int, micro: int):
+    def build(layers: int, micro: int, hidden: int = 16, heads: int = 2, seq: int = 16, vocab: int = 64,
+              micro_batch: int = 1):
+        tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+                 "position_ids": torch.arange(seq).unsqueeze(0).expand(micro_batch, -1),
+                 "attention_mask": torch.tril(torch.ones(1, 1, seq, seq)) < 0.5}
         config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                                    ffn_hidden_size=4 * hidden, use_cpu_initialization=True,
                                    pipeline_dtype=torch.float32, params_dtype=torch.float32,
                                    bias_activation_fusion=False, bias_dropout_fusion=False,
                                    masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-                                   persist_layer_norm=False)
+                                   persist_layer_norm=False, tensor_model_parallel_size=tp,
+                                   sequence_parallel=tp > 1)
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                          max_sequence_length=seq)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
@@ -162,6 +135,13 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
         one()
         return one
 
+    if tp > 1:
+        one = build(**COMM_SHAPE)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            times.append(_timed(one))
+        return {"comm_step": {**COMM_SHAPE, "tp": tp, "seconds": min(times)}}
     # the three steps take turns, so that whatever else runs on the machine slows them alike
     steps = [build(1, 1), build(3, 1), build(1, 3)]
     best = [float("inf")] * 3
@@ -171,7 +151,28 @@ def _framework_rank(rank: int, world_size: int, reps: int) -> dict:
     base, layers3, micro3 = best
     layer = max((layers3 - base) / 2, 0.0)
     micro = max((micro3 - base) / 2 - layer, 0.0)
-    return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0)}
+    compute = []
+    for shape in COMPUTE_SHAPES:
+        one = build(**shape)
+        compute.append({**shape, "seconds": min(_timed(one) for _ in range(reps))})
+    return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0),
+            "compute_steps": compute}
+
+
+# Two one-rank GPT steps whose arithmetic is a real share of the time, one mostly matmuls (hidden 512, short
+# sequence: about 10 x the model's elementwise time) and one mostly elementwise work (hidden 32, long sequence:
+# the attention probabilities' passes, about 5 x its matmul time), so that the two slowdowns against the
+# micro-benchmarks can be told apart. Not the accuracy matrix's model (hidden 128, sequence 256): the fit is
+# checked on a model it was not made on.
+COMPUTE_SHAPES = (
+    {"layers": 2, "micro": 2, "hidden": 512, "heads": 8, "seq": 64, "vocab": 512, "micro_batch": 2},
+    {"layers": 2, "micro": 2, "hidden": 32, "heads": 4, "seq": 512, "vocab": 64, "micro_batch": 1},
+)
+
+
+# The tensor-parallel step: a GPT of hidden 256 on 2 ranks (128-wide shards), its activations gathered and
+# reduce-scattered around every attention and MLP block.
+COMM_SHAPE = {"layers": 2, "micro": 2, "hidden": 256, "heads": 4, "seq": 128, "vocab": 512, "micro_batch": 2}
 
 
 def _timed(fn) -> float:
@@ -184,9 +185,15 @@ def framework() -> dict:
     from hyper_adaptor.testing.world import WorldError, run_world
 
     try:
-        return run_world(1, "hyper_adaptor.dryrun.calibrate_worlds:_framework_rank", timeout=180, reps=15)[0]
+        found = run_world(1, "hyper_adaptor.dryrun.calibrate_worlds:_framework_rank", timeout=180, reps=15)[0]
     except WorldError:
         return {}
+    try:
+        ranks = run_world(2, "hyper_adaptor.dryrun.calibrate_worlds:_framework_rank", timeout=180, reps=9, tp=2)
+        found["comm_step"] = max((r["comm_step"] for r in ranks), key=lambda step: step["seconds"])
+    except WorldError:
+        pass
+    return found
 
 
 def _sent_fraction(op: str, group: int) -> float:

@@ -237,7 +237,83 @@ class _Options:
 
 
 def _times(cal, d: Dims, mm: dict) -> float:
+    """Seconds of the matmuls ``mm`` inside a training step: the micro-benchmark's rate for their size, times
+    the slowdown a real step showed on this machine (``matmul_scale``, 1 where not measured)."""
+    return _raw_times(cal, d, mm) * cal.framework.get("matmul_scale", 1.0)
+
+
+def _raw_times(cal, d: Dims, mm: dict) -> float:
     return sum(cal.matmul_time(m, k, n, d.matmul_dtype, c) for m, k, n, c in mm.values())
+
+
+def _loss_bytes(d: Dims) -> float:
+    """The loss's traffic per micro-batch each way: softmax over the vocabulary shard, read and written a few
+    times (fp32)."""
+    return 6 * d.micro_batch * d.seq / d.cp * d.vocab / d.tp * 4
+
+
+def fit_compute_scales(cal, steps: list[dict]) -> dict[str, float]:
+    """How much slower a training step's matmuls and elementwise work run on this machine than the calibration's
+    micro-benchmarks say (which time each matmul alone, operands hot in cache, and count only the elementwise
+    passes a layer needs, not the copies, mask fills and zeroing the framework adds: docs/features/dry-run.md,
+    "Step time"). ``steps``: one-rank megatron-core GPT steps of two shapes (calibrate_worlds.COMPUTE_SHAPES,
+    each dict its shape and measured ``seconds``); per step, measured - the calibrated fixed costs = a x the
+    model's matmul seconds + b x its elementwise seconds, solved for (a, b). {} (no scaling) when the two do
+    not determine them or give a factor outside [0.5, 20]."""
+    fixed = cal.framework
+    rows = []
+    for step in steps:
+        d = plain_gpt(step["hidden"], step["heads"], step["seq"], step["layers"], step["micro_batch"],
+                      step["vocab"])
+        micro, layers = step["micro"], step["layers"]
+        matmul = 3 * micro * (layers * _raw_times(cal, d, layer_matmuls(d, False))
+                              + _raw_times(cal, d, {"logits": logits_matmul(d)}))
+        embedding = 2 * d.micro_batch * d.seq * d.hidden * d.elem  # its weight gradient (_stage_cost's W)
+        elem = micro * (3 * layers * elementwise_bytes(d, False) + 2 * _loss_bytes(d) + embedding) \
+            / cal.memory_bytes_per_s
+        rest = step["seconds"] - (fixed.get("layer_s", 0.0) * layers * micro
+                                  + fixed.get("micro_batch_s", 0.0) * micro + fixed.get("step_s", 0.0))
+        rows.append((matmul, elem, rest))
+    if len(rows) != 2:
+        return {}
+    (a1, b1, y1), (a2, b2, y2) = rows
+    det = a1 * b2 - a2 * b1
+    if abs(det) < 1e-12 * max(a1 * b2, a2 * b1, 1e-30):
+        return {}
+    a, b = (y1 * b2 - y2 * b1) / det, (a1 * y2 - a2 * y1) / det
+    if not (0.5 <= a <= 20 and 0.5 <= b <= 20):
+        return {}
+    return {"matmul_scale": a, "elementwise_scale": b}
+
+
+def fit_comm_scale(cal, step: dict) -> dict[str, float]:
+    """How much longer the collectives inside a training step take than the calibration's idle 2-rank
+    micro-benchmark says (a partner still computing, the transport's threads beside the compute): from a 2-rank
+    tensor-parallel step (calibrate_worlds.COMM_SHAPE, sequence parallel), measured - everything but the TP
+    collectives (the model's, with the compute scales already fitted) = scale x the model's TP collectives.
+    {} when it gives a factor outside [0.5, 20]."""
+    import types
+
+    tp = step.get("tp", 2)
+    d = dataclasses.replace(plain_gpt(step["hidden"], step["heads"], step["seq"], step["layers"],
+                                      step["micro_batch"], step["vocab"]),
+                            tp=tp, sp=True, world=tp, global_batch=step["micro_batch"] * step["micro"])
+    predicted = predict_time(types.SimpleNamespace(), cal, d)
+    comm = predicted.parts["tp_comm"]
+    if comm <= 0:
+        return {}
+    scale = (step["seconds"] - (predicted.total - comm)) / comm
+    return {"comm_scale": scale} if 0.5 <= scale <= 20 else {}
+
+
+def plain_gpt(hidden: int, heads: int, seq: int, layers: int, micro_batch: int, vocab: int) -> Dims:
+    """The Dims of megatron-core's local-spec GPT on one rank, fp32 (the calibration's steps): LayerNorm,
+    GELU MLP of 4 x hidden, learned positions, biases, tied embeddings."""
+    return Dims(hidden=hidden, ffn=4 * hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
+                layers=layers, seq=seq, micro_batch=micro_batch, global_batch=micro_batch, vocab=vocab,
+                swiglu=False, normalization="LayerNorm", untied=False, position_embedding="learned_absolute",
+                max_positions=seq, bias=True, qkv_bias=True, qk_layernorm=False, num_experts=0, topk=0, moe_ffn=0,
+                shared_ffn=0, shared_gate=False, moe_pattern=(0,) * layers, grouped_gemm=False, dtype="fp32")
 
 
 def _recomputed(d: Dims, o: _Options, layers: list[int], position: int) -> bool:
@@ -256,7 +332,11 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
     i = dict(f)
     w = dict(f)
     flop = 0.0
-    bw = cal.memory_bytes_per_s
+    # elementwise work at the calibrated bandwidth, slowed as a real step showed (elementwise_scale); swap's
+    # copies are plain copies, at the bandwidth itself
+    bw = cal.memory_bytes_per_s / cal.framework.get("elementwise_scale", 1.0)
+    # the collectives inside the step, slowed as a real tensor-parallel step showed (comm_scale)
+    comm = cal.framework.get("comm_scale", 1.0)
     attention_core = ("scores", "values")
     for position, layer in enumerate(layers):
         moe = d.is_moe(layer)
@@ -291,8 +371,8 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
         swapped = _swapped_bytes(d, o, layer)
         if swapped and cal.device == "cpu":
             # a copy to host memory and back, each a read and a write of the same memory
-            f["swap"] += 2 * swapped / bw
-            i["swap"] += 2 * swapped / bw
+            f["swap"] += 2 * swapped / cal.memory_bytes_per_s
+            i["swap"] += 2 * swapped / cal.memory_bytes_per_s
         elif swapped:
             # on an accelerator the copy runs on its own stream over the host link, beside the layer's compute
             # (the swap-out after the layer's forward, the prefetch during the next layer's backward): what
@@ -303,23 +383,22 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
         if moe:
             sent, calls = ep_sent_bytes(d, o.dispatcher)
             op = "all_gather" if o.dispatcher == "allgather" else "all_to_all"
-            f["ep_comm"] += cal.collective_time(op, d.ep, sent / 2, calls // 2)
-            i["ep_comm"] += cal.collective_time(op, d.ep, sent / 2, calls - calls // 2)
+            f["ep_comm"] += comm * cal.collective_time(op, d.ep, sent / 2, calls // 2)
+            i["ep_comm"] += comm * cal.collective_time(op, d.ep, sent / 2, calls - calls // 2)
         if d.cp > 1:
             cp = cp_sent_bytes(o.cp_algo, d, o.ulysses_degree)
             op, group = {"ulysses": ("all_to_all", d.cp), "allgather": ("all_gather", d.cp)}.get(
                 o.cp_algo, ("send_recv", 2))
-            f["cp_comm"] += cal.collective_time(op, group, cp["forward"], cp["calls_forward"])
-            i["cp_comm"] += cal.collective_time(op, group, cp["backward"], cp["calls_backward"])
+            f["cp_comm"] += comm * cal.collective_time(op, group, cp["forward"], cp["calls_forward"])
+            i["cp_comm"] += comm * cal.collective_time(op, group, cp["backward"], cp["calls_backward"])
     tp = tp_sent_bytes(d, len(layers), first, last)
     op = "all_gather" if d.sp else "all_reduce"
-    f["tp_comm"] += cal.collective_time(op, d.tp, tp["forward"], tp["calls_forward"])
-    i["tp_comm"] += cal.collective_time(op, d.tp, tp["backward"], tp["calls_backward"])
+    f["tp_comm"] += comm * cal.collective_time(op, d.tp, tp["forward"], tp["calls_forward"])
+    i["tp_comm"] += comm * cal.collective_time(op, d.tp, tp["backward"], tp["calls_backward"])
     if last:
         mm = {"logits": logits_matmul(d)}
         logits = _times(cal, d, mm)
-        # the loss: softmax over the vocabulary shard, read and written a few times each way
-        loss = 6 * d.micro_batch * d.seq / d.cp * d.vocab / d.tp * 4 / bw
+        loss = _loss_bytes(d) / bw
         f["compute"] += logits + loss
         i["compute"] += logits + loss + cal.framework.get("micro_batch_s", 0.0) / 2
         w["compute"] += logits
@@ -484,12 +563,6 @@ def predict_time(args, calibration, shape=None) -> StepTime:
         stretch = max(1.0, d.world / max(cal.cores, 1))
         if stretch > 1:
             notes.append(f"{d.world} ranks on {cal.cores} cores: every figure x {stretch:g}")
-        if stretch > 1 and cal.oversubscribed:
-            # a blocking collective waits for its partners' turn on a core: the measured latency of that
-            # (before the stretch below, which it already includes)
-            latency = cal.oversubscribed["latency_s"] / stretch
-            cal = dataclasses.replace(cal, collectives={
-                op: {**c, "latency_s": max(c["latency_s"], latency)} for op, c in cal.collectives.items()})
     ranks = _stages(d)
     last_stage = d.pp * d.chunks - 1
     cost = {stage: _stage_cost(cal, d, o, layers, stage == 0, stage == last_stage)

@@ -191,16 +191,72 @@ def test_cpu_ranks_beyond_cores_stretch_the_step():
     assert crowded.total == pytest.approx(2 * roomy.total)
 
 
-def test_oversubscribed_cpu_prices_each_collective_at_the_measured_wait():
-    flags = dict(tensor_model_parallel_size=4, world_size=4)
-    plain = timing.predict_time(namespace(**flags), fake_calibration(cores=2))
-    waits = timing.predict_time(namespace(**flags), fake_calibration(
-        cores=2, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
-    assert waits.parts["tp_comm"] > plain.parts["tp_comm"] + 5e-3
-    assert waits.parts["compute"] == plain.parts["compute"]
-    roomy = timing.predict_time(namespace(**flags), fake_calibration(
-        cores=8, oversubscribed={"ranks": 4, "latency_s": 5e-3}))
-    assert roomy.parts["tp_comm"] < plain.parts["tp_comm"]  # enough cores: neither wait nor stretch
+def test_compute_scales_slow_the_matmuls_and_the_elementwise_work_only():
+    args = namespace(world_size=2, tensor_model_parallel_size=2)
+    base = timing.predict_time(args, fake_calibration())
+    slow_mm = timing.predict_time(args, fake_calibration(framework={"matmul_scale": 2.0}))
+    slow_el = timing.predict_time(args, fake_calibration(framework={"elementwise_scale": 3.0}))
+    d = Dims.from_shape(ModelShape.from_args(args), args)
+    cal = fake_calibration()
+    m, layers = d.num_micro_batches, d.layers
+    # per micro-batch, 3 x the forward matmuls (forward, input and weight gradients; _stage_cost) and the logits';
+    # elementwise: 3 x the layers' forward passes, the loss each way, the embedding's weight gradient (W)
+    matmuls = m * 3 * (layers * timing._raw_times(cal, d, timing.layer_matmuls(d, False))
+                       + timing._raw_times(cal, d, {"logits": timing.logits_matmul(d)}))
+    embedding = 2 * d.micro_batch * d.seq * d.hidden * d.elem
+    elementwise = m * (3 * layers * timing.elementwise_bytes(d, False) + 2 * timing._loss_bytes(d) + embedding) / 1e11
+    assert slow_mm.parts["compute"] - base.parts["compute"] == pytest.approx(matmuls, rel=1e-9)
+    assert slow_el.parts["compute"] - base.parts["compute"] == pytest.approx(2 * elementwise, rel=1e-9)
+    for step in (slow_mm, slow_el):  # communication and the rest are not compute
+        assert {k: v for k, v in step.parts.items() if k != "compute"} == \
+            {k: v for k, v in base.parts.items() if k != "compute"}
+
+
+def test_compute_scales_are_fitted_back_from_two_steps():
+    from hyper_adaptor.dryrun.calibrate_worlds import COMPUTE_SHAPES
+
+    fixed = {"layer_s": 1e-3, "micro_batch_s": 2e-3, "step_s": 3e-3}
+    cal = fake_calibration(framework=dict(fixed))
+
+    def seconds(shape, a, b):
+        d = timing.plain_gpt(shape["hidden"], shape["heads"], shape["seq"], shape["layers"], shape["micro_batch"],
+                             shape["vocab"])
+        mm = 3 * shape["micro"] * (shape["layers"] * timing._raw_times(cal, d, timing.layer_matmuls(d, False))
+                                   + timing._raw_times(cal, d, {"logits": timing.logits_matmul(d)}))
+        el = shape["micro"] * (3 * shape["layers"] * timing.elementwise_bytes(d, False) + 2 * timing._loss_bytes(d)
+                               + 2 * d.micro_batch * d.seq * d.hidden * d.elem) / cal.memory_bytes_per_s
+        return (fixed["layer_s"] * shape["layers"] * shape["micro"] + fixed["micro_batch_s"] * shape["micro"]
+                + fixed["step_s"] + a * mm + b * el)
+
+    steps = [{**shape, "seconds": seconds(shape, 1.5, 3.5)} for shape in COMPUTE_SHAPES]
+    fitted = timing.fit_compute_scales(cal, steps)
+    assert fitted["matmul_scale"] == pytest.approx(1.5) and fitted["elementwise_scale"] == pytest.approx(3.5)
+    # the fit refuses what does not make sense: one step, or factors outside [0.5, 20]
+    assert timing.fit_compute_scales(cal, steps[:1]) == {}
+    assert timing.fit_compute_scales(cal, [{**shape, "seconds": seconds(shape, 0.1, 1.0)}
+                                           for shape in COMPUTE_SHAPES]) == {}
+
+
+def test_comm_scale_is_fitted_back_from_a_tensor_parallel_step():
+    import types
+
+    from hyper_adaptor.dryrun.calibrate_worlds import COMM_SHAPE
+
+    cal = fake_calibration(framework={"layer_s": 1e-3, "micro_batch_s": 2e-3, "step_s": 3e-3, "matmul_scale": 1.5})
+    d = dataclasses.replace(timing.plain_gpt(COMM_SHAPE["hidden"], COMM_SHAPE["heads"], COMM_SHAPE["seq"],
+                                             COMM_SHAPE["layers"], COMM_SHAPE["micro_batch"], COMM_SHAPE["vocab"]),
+                            tp=2, sp=True, world=2, global_batch=COMM_SHAPE["micro_batch"] * COMM_SHAPE["micro"])
+    step = timing.predict_time(types.SimpleNamespace(), cal, d)
+    assert step.parts["tp_comm"] > 0 and step.micro_batches == COMM_SHAPE["micro"]
+    measured = step.total + 2.0 * step.parts["tp_comm"]      # the collectives took 3 x the model's
+    fitted = timing.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": measured})
+    assert fitted["comm_scale"] == pytest.approx(3.0)
+    # applied: the TP, CP and EP collectives inside the step, nothing else
+    scaled = timing.predict_time(types.SimpleNamespace(), dataclasses.replace(
+        cal, framework={**cal.framework, **fitted}), d)
+    assert scaled.parts["tp_comm"] == pytest.approx(3.0 * step.parts["tp_comm"])
+    assert scaled.parts["compute"] == pytest.approx(step.parts["compute"])
+    assert timing.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": step.total * 1e3}) == {}
 
 
 def test_accelerator_swap_costs_what_the_host_link_cannot_hide():
