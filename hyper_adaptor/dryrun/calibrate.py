@@ -68,6 +68,9 @@ class Calibration:
     # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
     # measured (the small torch layer above stands in for a layer then)
     framework: dict[str, float] = dataclasses.field(default_factory=dict)
+    # elementwise work in a 16-bit dtype: how many times faster than the same elements in fp32 (softmax, GELU,
+    # a transposing copy, an add); empty: twice (bandwidth-bound: half the bytes), as on an accelerator
+    elementwise_speed: dict[str, float] = dataclasses.field(default_factory=dict)
     # the GPT steps the scales in ``framework`` were fitted on (shape, TP when > 1, measured seconds)
     compute_steps: list[dict] = dataclasses.field(default_factory=list)
     # the device <-> host copy rate of one direction (swap and offload traffic); 0: not measured, the
@@ -286,6 +289,25 @@ def _matmul_table(device: str, dtype, sizes, budget: float) -> list[list[float]]
     return rows
 
 
+def _elementwise_speed(device: str, dtype, budget: float) -> float:
+    """fp32's time / ``dtype``'s for the same elements of a layer's elementwise kinds. On a CPU these kernels
+    convert 16-bit elements to fp32 and are bound by that arithmetic, not by the bytes: bf16 runs them about
+    as fast as fp32 (a bytes-based count would halve them); on an accelerator they are bound by memory."""
+    import torch
+
+    clock = _timer(device)
+
+    def mix(x):
+        torch.softmax(x, -1)
+        torch.nn.functional.gelu(x)
+        x.t().contiguous()
+        torch.add(x, x)
+
+    base = torch.randn(256, 4096, device=device)
+    low = base.to(dtype)
+    return _best(lambda: mix(base), clock, budget) / _best(lambda: mix(low), clock, budget)
+
+
 def _memory_bandwidth(device: str, budget: float) -> float:
     import torch
 
@@ -365,6 +387,8 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
             matmul[name] = _matmul_table(device, dtype, sizes if name == "float32" or device != "cpu"
                                          else [s for s in sizes if s <= 256], budget / len(sizes))
         memory = _memory_bandwidth(device, budget)
+        speed = {name: _elementwise_speed(device, dtype, budget / 2) for name, dtype in dtypes.items()
+                 if name != "float32"}
         overhead = _layer_overhead(device, budget)
         used_threads = torch.get_num_threads()
     finally:
@@ -384,7 +408,7 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
     comm_step = framework.pop("comm_step", None)
     cal = Calibration(
         device=device, host=socket.gethostname(), machine=machine_id(device), torch_version=torch.__version__,
-        threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory,
+        threads=used_threads, cores=_cores(), matmul=matmul, memory_bytes_per_s=memory, elementwise_speed=speed,
         layer_overhead_s=overhead, collectives=collectives, collective_source=source, framework=framework,
         compute_steps=steps,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
@@ -406,6 +430,9 @@ def describe(cal: Calibration) -> str:
              f"{cal.threads} thread(s), {cal.cores} core(s), measured {cal.created} in {cal.seconds:.1f} s"]
     for dtype, table in cal.matmul.items():
         lines.append(f"  matmul {dtype}: " + ", ".join(f"n={int(s)} {r / 1e9:.1f} GFLOP/s" for s, r in table))
+    if cal.elementwise_speed:
+        lines.append("  elementwise work against fp32: " + ", ".join(
+            f"{k} x {v:.2f}" for k, v in cal.elementwise_speed.items()))
     lines.append(f"  memory bandwidth {cal.memory_bytes_per_s / 1e9:.2f} GB/s; "
                  f"small layer forward+backward {cal.layer_overhead_s * 1e3:.2f} ms")
     if cal.framework:

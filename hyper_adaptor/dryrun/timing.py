@@ -335,6 +335,10 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
     # elementwise work at the calibrated bandwidth, slowed as a real step showed (elementwise_scale); swap's
     # copies are plain copies, at the bandwidth itself
     bw = cal.memory_bytes_per_s / cal.framework.get("elementwise_scale", 1.0)
+    fp32_bw = bw  # the loss runs in fp32 whatever the model's dtype
+    if d.elem != 4 and d.matmul_dtype in cal.elementwise_speed:
+        # the layer's bytes at d.elem per element, at the rate the dtype's elements were measured to run
+        bw *= cal.elementwise_speed[d.matmul_dtype] * d.elem / 4
     # the collectives inside the step, slowed as a real tensor-parallel step showed (comm_scale)
     comm = cal.framework.get("comm_scale", 1.0)
     attention_core = ("scores", "values")
@@ -398,7 +402,7 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
     if last:
         mm = {"logits": logits_matmul(d)}
         logits = _times(cal, d, mm)
-        loss = _loss_bytes(d) / bw
+        loss = _loss_bytes(d) / fp32_bw
         f["compute"] += logits + loss
         i["compute"] += logits + loss + cal.framework.get("micro_batch_s", 0.0) / 2
         w["compute"] += logits

@@ -237,6 +237,19 @@ def test_compute_scales_are_fitted_back_from_two_steps():
                                            for shape in COMPUTE_SHAPES]) == {}
 
 
+def test_sixteen_bit_elementwise_runs_at_its_measured_speed():
+    args = namespace(bf16=True)
+    d = Dims.from_shape(ModelShape.from_args(args), args)
+    assert d.elem == 2
+    by_bytes = timing.predict_time(args, fake_calibration())                      # half fp32's bytes: 2x faster
+    measured = timing.predict_time(args, fake_calibration(elementwise_speed={"bfloat16": 1.0}))  # as fp32
+    m = d.num_micro_batches
+    layer_and_embedding = m * (3 * d.layers * timing.elementwise_bytes(d, False)
+                               + 2 * d.micro_batch * d.seq * d.hidden * d.elem) / 1e11
+    # at speed 1.0 the bf16 elements take fp32's time: twice the bytes-based figure; the fp32 loss is unchanged
+    assert measured.parts["compute"] - by_bytes.parts["compute"] == pytest.approx(layer_and_embedding, rel=1e-9)
+
+
 def test_comm_scale_is_fitted_back_from_a_tensor_parallel_step():
     import types
 
