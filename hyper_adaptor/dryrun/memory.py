@@ -31,6 +31,7 @@ from hyper_adaptor.dryrun.layer_tensors import (  # noqa: F401  (SWAP_NAMES, Ter
     layer_terms,
     linear_grad_outputs,
     recomputed,
+    routed_tokens,
     swapped_modules,
 )
 from hyper_adaptor.dryrun.shape import BYTES, ModelShape
@@ -362,7 +363,7 @@ def _layer_bytes(shape, args, index, position) -> tuple[int, int, int]:
     # a W step's operands: each linear layer's input and output gradient
     wgrad = sum(t.nbytes for t in terms if t.linear_input)
     if _split_weight(shape):
-        wgrad += sum(linear_grad_outputs(shape, bool(shape.moe_pattern[index])).values())
+        wgrad += sum(linear_grad_outputs(shape, bool(shape.moe_pattern[index]), args).values())
     return device, host, wgrad
 
 
@@ -455,10 +456,10 @@ def transient(shape: ModelShape, args, rank: int, activations_and_logits: int) -
     scores = b * shape.heads // shape.tp * s * (s if blockwise_cp(shape, args) else shape.seq) * width
     fc1 = s * b * shape.ffn // shape.tp * (2 if shape.swiglu else 1) * width
     if shape.num_experts:
-        fc1 = max(fc1, s * b * shape.topk * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
+        fc1 = max(fc1, routed_tokens(shape, args) * shape.moe_ffn // shape.etp * (2 if shape.swiglu else 1) * width)
     backward = 2 * max(scores, fc1) + 2 * s * b * shape.hidden * width
     if _split_weight(shape) and shape.layers_on(rank):
-        backward += max(sum(g for name, g in linear_grad_outputs(shape, bool(shape.moe_pattern[i])).items()
+        backward += max(sum(g for name, g in linear_grad_outputs(shape, bool(shape.moe_pattern[i]), args).items()
                             if name != "qkv") for i in shape.layers_on(rank))
     level, _ = _hsdp(args)
     if level == 3 and shape.layers_on(rank):

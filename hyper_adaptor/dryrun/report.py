@@ -1,6 +1,8 @@
 """``python -m hyper_adaptor dry-run <megatron flags> --world-size N [--device-memory GiB] [--device D]``.
 
-One row per group of ranks with the same prediction, a column per part in MiB and the peak; then whether
+One row per group of ranks with the same prediction, a column per part in MiB and the peak; for an MoE model a
+note on the routing the activations assume (balanced, ``--moe-token-imbalance F``, or megatron's capacity) and,
+dropless, what each +10 % of tokens on the busiest expert-parallel rank adds to its peak; then whether
 the largest rank fits ``--device-memory`` and, if not, which part to cut and with which flags (exit status 1
 when it does not fit, 2 on bad input). Then the predicted step time by part (``timing.py``) and the
 calibration it rests on: this machine's, measured once and cached (the line before the measurement says so:
@@ -10,9 +12,11 @@ as assumed. ``--no-time`` leaves the time out and measures nothing.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 from hyper_adaptor.dryrun import calibrate
+from hyper_adaptor.dryrun.layer_tensors import capacity, imbalance, routed_tokens
 from hyper_adaptor.dryrun.memory import PARTS, Prediction, predict
 from hyper_adaptor.dryrun.shape import parse
 from hyper_adaptor.features.base import asked
@@ -78,6 +82,37 @@ def advice(part: str, args) -> list[str]:
                       (f"--tensor-model-parallel-size {shape_tp * 2}", False)],
     }
     return [flag for flag, given in options[part] if not given]
+
+
+def moe_routing(prediction: Prediction, args) -> list[str]:
+    """What the MoE activations assume about routing, as notes: dropless MoE, the tokens each expert-parallel
+    rank's experts get a micro-batch (balanced, or --moe-token-imbalance F x that) and what each +10 % of them
+    on the busiest rank adds to its peak; under --moe-expert-capacity-factor the cap (exact when padded)."""
+    shape = prediction.shape
+    if not shape.num_experts or not any(shape.moe_pattern):
+        return []
+    tokens = routed_tokens(shape, args)
+    s, b = shape.seq // shape.cp, shape.micro_batch
+    factor = imbalance(args)
+    cap = capacity(shape, args)
+    if cap is not None:
+        padded = asked(args, "moe_pad_expert_input_to_capacity", False)
+        given = asked(args, "moe_token_imbalance", None) is not None
+        how = ("exactly that, padded" if padded else f"{factor:g} x balanced routing's {s * b * shape.topk} below "
+               "the cap (--moe-token-imbalance)" if given else "the cap: the busiest rank's bound, balanced routing "
+               f"gives {s * b * shape.topk}")
+        return [f"note: MoE tokens capped by --moe-expert-capacity-factor {args.moe_expert_capacity_factor:g} at "
+                f"{cap} per expert from each rank: each expert-parallel rank's experts are predicted to get {tokens} "
+                f"tokens per micro-batch and MoE layer ({how})"]
+    worst = max(prediction.ranks, key=lambda r: r.peak)
+    more_tokens = copy.copy(args)
+    more_tokens.moe_token_imbalance = factor * 1.1
+    more = predict(more_tokens).ranks[worst.rank].peak - worst.peak
+    said = ("balanced routing assumed" if factor == 1 else f"--moe-token-imbalance {factor:g}: {factor:g} x "
+            f"balanced routing's {s * b * shape.topk}")
+    return [f"note: dropless MoE, {said}: each expert-parallel rank's experts get {tokens} tokens per micro-batch "
+            f"and MoE layer; each +10 % on the busiest rank adds {more / MIB:.1f} MiB to its peak "
+            f"(--moe-token-imbalance F predicts F x; megatron's --moe-expert-capacity-factor caps it)"]
 
 
 def verdict(prediction: Prediction, args) -> list[str]:
@@ -152,9 +187,9 @@ def main(flags: list[str], out=None) -> int:
     out = out or sys.stdout
     if any(f in ("-h", "--help") for f in flags):
         print("usage: python -m hyper_adaptor dry-run [megatron and hyper_adaptor flags] --world-size N "
-              "[--device-memory GiB] [--device npu|cuda|cpu] [--no-time]\n\nPredicts each rank's peak device "
-              "memory by part (MiB) without building the model, and the step time by part from this machine's "
-              "calibration (measured once, then cached; --no-time: memory only, nothing measured); "
+              "[--device-memory GiB] [--device npu|cuda|cpu] [--no-time] [--moe-token-imbalance F]\n\nPredicts each "
+              "rank's peak device memory by part (MiB) without building the model, and the step time by part from "
+              "this machine's calibration (measured once, then cached; --no-time: memory only, nothing measured); "
               "docs/features/dry-run.md says what each part counts.", file=out)
         return 0
     args = parse(flags)
@@ -169,6 +204,8 @@ def main(flags: list[str], out=None) -> int:
     print("memory per rank (MiB; host = swapped activations and offloaded optimizer state):", file=out)
     for line in table(prediction):
         print("  " + line, file=out)
+    for line in moe_routing(prediction, args):
+        print(line, file=out)
     for line in verdict(prediction, args):
         print(line, file=out)
     if not args.no_time:

@@ -29,6 +29,10 @@ def _dry_run_arguments(group) -> None:
                        help="the memory of one device, in GiB: the prediction says whether each rank fits")
     group.add_argument("--device", default=None, metavar="{npu,cuda,cpu}",
                        help="the device the prediction is for (default: cpu)")
+    group.add_argument("--moe-token-imbalance", type=float, default=None, metavar="F",
+                       help="MoE: each expert-parallel rank's experts are predicted to get F x the tokens balanced "
+                            "routing gives them, the busiest rank's share (F >= 1; default 1: balanced). Under "
+                            "--moe-expert-capacity-factor the capacity caps it")
     group.add_argument("--no-time", action="store_true",
                        help="memory only: no step-time prediction (nor the one-time calibration of this machine "
                             "it needs)")
@@ -60,6 +64,13 @@ def parse(flags: list[str], world_size: int | None = None, device: str | None = 
     memory = args.device_memory
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         usage.fail(f"argument --device-memory: must be a finite number of GiB > 0; got {memory}", prog)
+    imbalance = args.moe_token_imbalance
+    if imbalance is not None:
+        if not (math.isfinite(imbalance) and imbalance >= 1):
+            usage.fail(f"argument --moe-token-imbalance: must be a number >= 1 (the busiest expert-parallel rank's "
+                       f"tokens over the balanced count); got {imbalance}", prog)
+        if not args.num_experts:
+            usage.fail("argument --moe-token-imbalance: only for an MoE model (--num-experts)", prog)
     if args.world_size is None:
         usage.fail("argument --world-size: required (the number of processes the run starts)", prog)
     _, _, adjustments, missing = cli.check(args, prog)

@@ -319,7 +319,12 @@ def test_parameter_counts_match_megatrons_model(megatron_world, extra):
     "", "--bf16 --swiglu --normalization RMSNorm --attention-dropout 0",
     "--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --disable-bias-linear --swiglu "
     "--moe-shared-expert-intermediate-size 64",
-], ids=["fp32-layernorm-gelu", "bf16-rmsnorm-swiglu", "moe-swiglu-shared"])
+    "--swiglu --normalization RMSNorm --position-embedding-type rope --num-experts 4 --moe-router-topk 2 "
+    "--moe-ffn-hidden-size 64 --disable-bias-linear --moe-aux-loss-coeff 1e-2",
+    "--bf16 --normalization RMSNorm --position-embedding-type rope --group-query-attention --num-query-groups 2",
+    "--group-query-attention --num-query-groups 2",
+], ids=["fp32-layernorm-gelu", "bf16-rmsnorm-swiglu", "moe-swiglu-shared", "fp32-rmsnorm-rope-moe-aux-loss",
+        "bf16-rope-gqa", "fp32-gqa"])
 def test_layer_activations_match_what_megatron_saves(megatron_world, extra):
     """Storages megatron's second layer saves for backward (parameters and storages saved before it left out),
     against layer_terms; without the formula's terms this fails by their size."""
