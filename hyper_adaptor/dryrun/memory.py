@@ -121,8 +121,11 @@ def _dense_and_expert(shape, args, rank) -> list[tuple[int, int]]:
 def parameters(shape: ModelShape, args, rank: int) -> int:
     """The model's parameters in their dtype (bf16 / fp16 with --bf16 / --fp16: megatron builds them in it).
     With the distributed optimizer they live in DDP's padded parameter buffer. HSDP level 3 keeps a 1/shard
-    slice, and the root unit gathered through forward and backward, and under full recompute the layers the
-    recomputation gathers again (:func:`_regathered`; the layer in backward is in ``transient``)."""
+    slice, and the root unit gathered through forward and backward (the layer in backward is in ``transient``,
+    the next one's gather in ``communication_buffers``). Full recompute adds nothing here: a forward rerun
+    inside backward starts no forward prefetch (parallel/hsdp/_state.py ``in_a_backward``), so no layer
+    whose backward is done is gathered again, and the rebuilt layer stays gathered into its own backward,
+    the layer ``transient`` counts."""
     level, shard = _hsdp(args)
     width = BYTES[shape.dtype]
     if level == 3:
@@ -131,25 +134,8 @@ def parameters(shape: ModelShape, args, rank: int) -> int:
         # beside its shard
         total = sum(n for _, n in shape.tensors_on(rank))
         root = total - sum(n for i in shape.layers_on(rank) for _, n in shape.layer_tensors(i))
-        return total * width // shard + (root + _regathered(shape, args, rank)) * width
+        return total * width // shard + root * width
     return sum(n for n, _ in _dense_and_expert(shape, args, rank)) * width
-
-
-def _regathered(shape: ModelShape, args, rank: int) -> int:
-    """HSDP level 3 under full recompute: parameters gathered again by the recomputation and kept to the end of
-    backward. A checkpointed layer's forward, rerun inside backward, is not yet in that unit's backward, so its
-    pre-forward hook starts the forward prefetch of the next unit in module order (parallel/hsdp/_state.py)
-    - a layer whose backward is already done - and that copy is freed only when the whole backward ends. As
-    the chunk's first layer is rebuilt (the latest point), every layer after a checkpointed one is whole."""
-    if args.recompute_granularity != "full":
-        return 0
-    group = args.recompute_num_layers or 1
-    total = 0
-    for chunk in shape.chunks_on(rank):
-        for position, index in enumerate(chunk[1:]):   # position: the predecessor's place in the chunk
-            if args.recompute_method != "block" or position < group:
-                total += sum(n for _, n in shape.layer_tensors(index))
-    return total
 
 
 def grad_bytes(shape: ModelShape, args) -> int:

@@ -36,12 +36,19 @@ class TinyLM(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
         self.out_norm = nn.LayerNorm(DIM)
+        # e.g. torch.utils.checkpoint.checkpoint: each region of ``region`` blocks recomputed in backward
+        self.checkpoint, self.region = None, 1
 
     def forward(self, tokens):
         x = self.emb(tokens)
-        for block in self.blocks:
-            x = block(x)
+        for start in range(0, len(self.blocks), self.region):
+            x = self._blocks(x, start) if self.checkpoint is None else self.checkpoint(self._blocks, x, start)
         return F.linear(self.out_norm(x), self.emb.weight)  # tied head
+
+    def _blocks(self, x, start: int):
+        for block in self.blocks[start : start + self.region]:
+            x = block(x)
+        return x
 
 
 def make_model(seed: int = 0) -> TinyLM:
@@ -220,6 +227,7 @@ def extras(rank: int, world_size: int) -> dict:
     out["reshard_schedule"] = _reshard_schedule()
     out["in_flight"] = _reductions_in_flight()
     out["bucket_bound"] = _bucket_bound()
+    out["recompute"] = _recompute_gathers()
     return out
 
 
@@ -577,3 +585,68 @@ def _bf16_compute() -> dict:
     return {"losses": losses, "ref": ref["loss"], "gathered_dtype": str(dtypes.get("fc1")),
             "shard_dtype": str(shard_dtype),
             "grads": first_grads, "ref_grads": ref["first_grads"]}
+
+
+def _recompute_gathers() -> dict:
+    """Level 3 with every block checkpointed, by torch's reentrant checkpoint (megatron's CheckpointFunction
+    under ``--recompute-granularity full`` works the same way: forward under no_grad, the block rerun from
+    its node's backward before the block's own backward begins) and by the non-reentrant one, and with all
+    three blocks in one reentrant region, against the same model without checkpointing; 3 Adam steps each.
+    Per step, every all-gather issued (``_GatherRun``: one per unit here, at level 3) as (phase, unit,
+    whether that unit's backward was already done: its gradients packed for reduction); the losses, the
+    first step's gradient shards and the final parameters (compared bitwise between the variants), and the
+    plain run's parity with the reference."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hyper_adaptor.parallel.hsdp import _bucket
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    now = {"phase": "forward", "done": set(), "events": [], "unit_of": {}}
+    original_launch, original_pack = _bucket._GatherRun.launch, _bucket.Bucket.pack_grads
+
+    def launch(self):
+        for b in self.members:
+            unit = now["unit_of"].get(id(b), "?")
+            now["events"].append((now["phase"], unit, unit in now["done"]))
+        original_launch(self)
+
+    def pack_grads(self, blocks):
+        now["done"].add(now["unit_of"].get(id(self), "?"))
+        original_pack(self, blocks)
+
+    reentrant = partial(checkpoint, use_reentrant=True)
+    # name -> (checkpoint, blocks per checkpointed region)
+    variants = {"plain": (None, 1), "reentrant": (reentrant, 1),
+                "non-reentrant": (partial(checkpoint, use_reentrant=False), 1), "reentrant-region3": (reentrant, 3)}
+    out = {}
+    _bucket._GatherRun.launch, _bucket.Bucket.pack_grads = launch, pack_grads
+    try:
+        for name, (ckpt, region) in variants.items():
+            # one bucket per unit (comm_fusion, bucket_size=-1): an all-gather is a unit's
+            model = wrap(make_model(), optimizer_level="level3", shard_size=4, threshold=THRESHOLD_KB,
+                         comm_fusion=True, bucket_size=-1)
+            model.checkpoint, model.region = ckpt, region
+            units = {"root": model, **{f"blocks.{i}": b for i, b in enumerate(model.blocks)}}
+            now["unit_of"] = {id(b): unit for unit, m in units.items() for b in m._hsdp_state.buckets}
+            opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+            losses, steps, grads = [], [], {}
+            for step in range(STEPS):
+                opt.zero_grad()
+                now.update(phase="forward", done=set(), events=[])
+                loss = loss_of(model, batch(step).chunk(world)[rank])
+                loss.register_hook(lambda grad: now.update(phase="backward"))
+                loss.backward()
+                if step == 0:
+                    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+                opt.step()
+                steps.append(list(now["events"]))
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                losses.append(total.item() / world)
+            out[name] = {"steps": steps, "losses": losses, "grads": grads, "params": full_params(model)}
+    finally:
+        _bucket._GatherRun.launch, _bucket.Bucket.pack_grads = original_launch, original_pack
+    out["plain"]["problems"] = compare(reference(), out["plain"]["losses"], out["plain"]["params"])
+    return out

@@ -5,6 +5,7 @@ bf16 compute: losses within 3e-2 relative of the fp32 reference (8 mantissa bits
 """
 
 import pytest
+import torch
 
 from hyper_adaptor.testing import run_world
 
@@ -184,3 +185,46 @@ def test_communication_buffers_stay_within_the_bucket_size(extras, level):
     assert got["model_bytes"] > 4 * r["bucket_bytes"] and got["buffers"] > 0  # the bound is not vacuous
     assert got["largest_buffer"] <= r["bucket_bytes"], got
     assert 0 < got["largest_pooled_after"] <= r["bucket_bytes"], got
+
+
+def _gathers(steps: list, phase: str) -> list[list[str]]:
+    return [[unit for when, unit, _ in events if when == phase] for events in steps]
+
+
+def test_level3_recompute_gathers_no_unit_whose_backward_is_done(extras):
+    """Every block checkpointed: the forward rerun inside backward starts no forward prefetch (the next
+    block's backward is done) and keeps its block gathered for the backward that follows (no second
+    all-gather of it); the gradients, losses and parameters are bitwise those of the run without
+    checkpointing, which matches the single-process reference."""
+    r = extras["recompute"]
+    plain = r["plain"]
+    assert plain["problems"] == []
+    units = ["root", "blocks.0", "blocks.1", "blocks.2"]
+    # level 3's default: the root and the last block stay gathered from forward to backward
+    assert _gathers(plain["steps"], "forward") == [units] * 3
+    assert _gathers(plain["steps"], "backward") == [["blocks.1", "blocks.0"]] * 3
+    for name in ("reentrant", "non-reentrant"):
+        got = r[name]
+        done = [(step, unit) for step, events in enumerate(got["steps"]) for when, unit, was_done in events
+                if was_done]
+        assert done == [], (name, got["steps"])
+        assert _gathers(got["steps"], "forward") == [units] * 3, name
+        # the reentrant checkpoint runs the blocks' first forward without grad, so the last block is freed
+        # after it like the others and its backward gathers it again (the root's backward prefetch); each
+        # block is gathered once in backward
+        again = ["blocks.2"] if name == "reentrant" else []
+        assert _gathers(got["steps"], "backward") == [again + ["blocks.1", "blocks.0"]] * 3, (name, got["steps"])
+    # all three blocks in one region: blocks.2 comes from the root's backward prefetch, blocks.0 and blocks.1
+    # are gathered as the region is rerun (only the latest two rebuilt blocks stay whole: blocks.0 is freed as
+    # blocks.2's rerun begins and gathered again by blocks.1's backward prefetch)
+    region = r["reentrant-region3"]
+    assert not any(was_done for events in region["steps"] for _, _, was_done in events), region["steps"]
+    assert _gathers(region["steps"], "backward") == [["blocks.2", "blocks.0", "blocks.1", "blocks.0"]] * 3
+    for name in ("reentrant", "non-reentrant", "reentrant-region3"):
+        got = r[name]
+        assert got["losses"] == plain["losses"], name
+        assert set(got["grads"]) == set(plain["grads"]) and got["grads"]
+        for key, want in plain["grads"].items():
+            assert torch.equal(got["grads"][key], want), (name, key)
+        for key, want in plain["params"].items():
+            assert torch.equal(got["params"][key], want), (name, key)

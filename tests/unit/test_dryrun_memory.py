@@ -96,18 +96,20 @@ def test_hsdp_levels_shard_what_they_say():
         assert memory.parameters(shape, args, 0) == (4 * n // 4 + 4 * root if params_sharded else 4 * n)
 
 
-def test_hsdp_level3_under_full_recompute_keeps_the_regathered_layers():
-    # each checkpointed layer's recomputed forward prefetches the next layer (its backward already done), which
-    # stays gathered until backward ends: as layer 0 is rebuilt, layers 1-3 are whole beside the shards and root
+def test_hsdp_level3_under_full_recompute_gathers_no_layer_again():
+    # the engine starts no forward prefetch from a forward rerun inside backward, so no layer whose backward is
+    # done is gathered again: the parameters are the shards and the root, as without recompute (the rebuilt
+    # layer, gathered into its own backward, is transient's one layer)
     root = 384 * 64 + 32 * 64 + 128
-    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
-                      "--recompute-method uniform --recompute-num-layers 1", 4)
-    n = sum(shape.params_on(0).values())
-    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 3 * LAYER)
-    # block: only layers 0 and 1 are rerun, so only layers 1 and 2 are gathered again
-    args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity full "
-                      "--recompute-method block --recompute-num-layers 2", 4)
-    assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * (root + 2 * LAYER)
+    for recompute in ("--recompute-method uniform --recompute-num-layers 1",
+                      "--recompute-method block --recompute-num-layers 2"):
+        args, shape = run("--use-hsdp --hsdp-optimizer-level level3 --global-batch-size 8 --recompute-granularity "
+                          f"full {recompute}", 4)
+        n = sum(shape.params_on(0).values())
+        assert memory.parameters(shape, args, 0) == 4 * n // 4 + 4 * root, recompute
+        # a layer's backward: fc1's output gradient twice (s 32 x b 2 x ffn 256, above the scores' 2 x 4 heads x
+        # 32 x 32), the layer input's and output's gradients (32 x 2 x 64), and the one gathered layer
+        assert memory.transient(shape, args, 0, 0) == 4 * (2 * 32 * 2 * 256 + 2 * 32 * 2 * 64 + LAYER), recompute
 
 
 def test_hsdp_gradients_stay_whole_while_micro_batches_accumulate():

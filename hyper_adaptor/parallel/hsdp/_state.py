@@ -3,7 +3,9 @@
 Forward: the pre-hook gathers this module's parameters (if freed or stale) and registers the full
 copies on their modules; the post-hook puts the shards back (what ``parameters()`` and the
 optimizer see), frees the full copies at level 3, and hooks the outputs so that the gradient
-arriving at them — the start of this module's backward — gathers the parameters again.
+arriving at them — the start of this module's backward — gathers the parameters again. A forward
+rerun inside backward (activation recompute: ``in_a_backward``) starts no forward prefetch and keeps its
+parameters for the backward that follows.
 
 Backward: each full parameter's post-accumulate-grad hook marks it ready in its bucket; buckets are
 reduced in a fixed order (so every rank issues the same collectives in the same order) as soon as
@@ -30,8 +32,28 @@ from hyper_adaptor.parallel.hsdp._pool import HostBufferPool
 
 # The states taking part in the backward pass now running (one list per process: autograd runs one
 # backward at a time on the thread that started it).
-_BACKWARD: dict = {"queued": False, "states": [], "in_flight": None}
+_BACKWARD: dict = {"queued": False, "states": [], "in_flight": None, "rebuilt": []}
 ALL_STATES: weakref.WeakSet[HSDPState] = weakref.WeakSet()
+
+
+def in_a_backward() -> bool:
+    """True while a backward that has reached an HSDP unit runs in this process, so that a forward now
+    is a recomputation (activation checkpointing) inside it.
+
+    Why this signal: a unit's own ``_in_backward`` is not enough. A reentrant checkpoint (torch's
+    ``checkpoint(use_reentrant=True)``, megatron's ``CheckpointFunction`` behind ``--recompute-granularity
+    full``) ran the unit's forward under no_grad, so no pre-backward hook sits on its outputs: it reruns
+    that forward from its autograd node's backward *before* the unit joins backward (it joins through the
+    hooks on the recomputed outputs). Non-reentrant checkpointing (torch's default, hyper_adaptor.memory's
+    ``checkpoint``, megatron's ``CheckpointWithoutOutput``) recomputes when a saved tensor is unpacked,
+    after the unit's pre-backward hook, but a region spanning several units reruns the earlier ones
+    before they join too. In every case the backward has already reached an HSDP unit (the root's
+    pre-backward hook on its output, at the latest the unit whose saved tensor is unpacked): this flag
+    is set from that first hook (``_join_backward``) to the end-of-backward callback, which autograd runs
+    after every node, recomputations included. torch's only "inside backward" query is private (the
+    autograd engine's current graph-task id), and grad mode says nothing: a recomputation runs with grad
+    enabled, as a training forward does."""
+    return bool(_BACKWARD["states"])
 
 
 def mark_stale(params) -> None:
@@ -167,6 +189,9 @@ class HSDPState:
 
     # -- forward ---------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        recomputing = in_a_backward()
+        if recomputing:
+            _release_rebuilt(keep_latest=True)
         if self.is_root:
             self._nested_states()  # (the first forward also sets the default prefetch)
         if self.is_root and not self._in_backward and not self.config.reshard_after_forward:
@@ -183,7 +208,11 @@ class HSDPState:
         self.unshard()
         for p in self.params:
             p.register_full()
-        if not self._in_backward:
+        if not recomputing:
+            # Not inside backward: there the next unit in module order has had its backward already (a
+            # reentrant checkpoint reruns the layers last to first) or has it gathered for it, and this
+            # prefetch gathered it again for nothing, kept to the end of backward (its unit was still
+            # in backward). The backward prefetch gathers what the backward needs next.
             for other in self.forward_prefetch:
                 other.unshard(async_op=True)
         dtype = self.config.param_dtype
@@ -196,9 +225,16 @@ class HSDPState:
         for p in self.params:
             p.register_sharded()
         if self._in_backward:
-            return None  # a recomputation inside backward: the parameters are still needed
-        if self.config.reshard_after_forward and (self.reshard_after_forward is not False
-                                                  or not torch.is_grad_enabled()):
+            return None  # recomputed inside this unit's own backward: its pre-backward hook already ran
+        if in_a_backward():
+            # Rerun before this unit joined backward (a reentrant checkpoint: megatron's full recompute):
+            # its backward follows, so the parameters are kept (freeing them here made its pre-backward
+            # hook gather them again at once) until then, or until two more units' rerun forwards begin
+            # (_release_rebuilt). The hooks below still join it to backward and start its backward prefetch.
+            if self.config.reshard_after_forward:
+                _BACKWARD["rebuilt"].append(self)
+        elif self.config.reshard_after_forward and (self.reshard_after_forward is not False
+                                                    or not torch.is_grad_enabled()):
             self.reshard()  # (no backward will follow a forward without grad: nothing to keep for)
         if torch.is_grad_enabled():
             tensors, _ = tree_flatten(output)
@@ -352,6 +388,20 @@ class HSDPState:
         return sum(b.comm_bytes for b in self.buckets)
 
 
+def _release_rebuilt(keep_latest: bool) -> None:
+    """Free the units kept gathered after a forward rerun inside backward (``_post_forward``) whose own
+    backward has not begun. When another unit's rerun forward begins, all but the latest: a checkpointed
+    region of several units then holds at most two of them, as the backward prefetch does (the latest is
+    the one whose backward follows the next unit's; an older one is gathered again by the backward
+    prefetch, as without recompute, rather than every unit of a long region staying whole). Every one
+    when the backward ends (one the backward did not reach)."""
+    kept = _BACKWARD["rebuilt"]
+    _BACKWARD["rebuilt"] = kept[-1:] if keep_latest else []
+    for state in kept[:-1] if keep_latest else kept:
+        if not state._in_backward:
+            state.reshard()
+
+
 def _wait_in_flight() -> None:
     state, _BACKWARD["in_flight"] = _BACKWARD["in_flight"], None
     if state is not None:
@@ -361,6 +411,8 @@ def _wait_in_flight() -> None:
 def _end_of_backward() -> None:
     states, _BACKWARD["states"], _BACKWARD["queued"] = _BACKWARD["states"], [], False
     _wait_in_flight()
+    # a unit kept after a forward rerun inside this backward that the backward then did not reach
+    _release_rebuilt(keep_latest=False)
     # Level 1, synchronous: the full gradients stay anyway and a blocking reduction per bucket would
     # not overlap with anything, so every unit's buckets are reduced here in one collective (per
     # compatible group) where they fit the bucket size, else in runs of at most a bucket one after
