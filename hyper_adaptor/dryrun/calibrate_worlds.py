@@ -68,9 +68,10 @@ def _exchange(dist, rank, buf, recv):
 def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
     """megatron-core's fixed costs, from one-rank GPT training steps so small that their arithmetic is
     negligible: steps of (layers, micro-batches) = (1, 1), (3, 1), (1, 3) give a layer per micro-batch, a
-    micro-batch and a step by differences. Then the steps of COMPUTE_SHAPES, whose arithmetic is not negligible:
-    their seconds (under "compute_steps") let the caller fit how much slower a training step's matmuls and
-    elementwise work run than the micro-benchmarks (``timing.fit_compute_scales``). With ``tp`` 2 (a 2-rank
+    micro-batch and a step by differences, and (1, 1), (3, 1) of MoE layers (4 experts, top-2, the all-to-all
+    dispatcher) an MoE layer's cost beyond a dense one's. Then the steps of COMPUTE_SHAPES, whose arithmetic is
+    not negligible: their seconds (under "compute_steps") let the caller fit how much slower a training step's
+    matmuls and elementwise work run than the micro-benchmarks (``timing.fit_compute_scales``). With ``tp`` 2 (a 2-rank
     world) only COMM_SHAPE's step, tensor parallel with sequence parallel: its seconds (the slower rank's, under
     "comm_step") give how much longer the collectives inside a step take than the idle micro-benchmark
     (``timing.fit_comm_scale``). The model is built as bench/_gpt_step.py builds it (local spec, DDP, megatron's
@@ -105,7 +106,7 @@ def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
     torch.manual_seed(1234)  # the same tokens on every rank of a TP group
 
     def build(layers: int, micro: int, hidden: int = 16, heads: int = 2, seq: int = 16, vocab: int = 64,
-              micro_batch: int = 1):
+              micro_batch: int = 1, experts: int = 0):
         tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
         batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
                  "position_ids": torch.arange(seq).unsqueeze(0).expand(micro_batch, -1),
@@ -116,9 +117,13 @@ def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
                                    bias_activation_fusion=False, bias_dropout_fusion=False,
                                    masked_softmax_fusion=False, gradient_accumulation_fusion=False,
                                    persist_layer_norm=False, tensor_model_parallel_size=tp,
-                                   sequence_parallel=tp > 1)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
-                         max_sequence_length=seq)
+                                   sequence_parallel=tp > 1,
+                                   **({} if not experts else dict(  # MoE_LAYER's router and dispatcher
+                                       num_moe_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=2 * hidden,
+                                       moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2,
+                                       moe_router_load_balancing_type="aux_loss", add_bias_linear=False)))
+        spec = get_gpt_layer_local_spec(num_experts=experts or None)
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=seq)
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0,
                                                            params_dtype=torch.float32), [ddp])
@@ -142,21 +147,27 @@ def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
             dist.barrier()
             times.append(_timed(one))
         return {"comm_step": {**COMM_SHAPE, "tp": tp, "seconds": min(times)}}
-    # the three steps take turns, so that whatever else runs on the machine slows them alike
-    steps = [build(1, 1), build(3, 1), build(1, 3)]
-    best = [float("inf")] * 3
+    # the steps take turns, so that whatever else runs on the machine slows them alike
+    # (the 3-layer MoE model first: megatron's MoE metrics tracker sizes its per-layer record on the first model)
+    steps = [build(1, 1), build(3, 1), build(1, 3), build(3, 1, experts=4), build(1, 1, experts=4)]
+    best = [float("inf")] * len(steps)
     for _ in range(reps):
         for i, one in enumerate(steps):
             best[i] = min(best[i], _timed(one))
-    base, layers3, micro3 = best
+    base, layers3, micro3, moe3, moe1 = best
     layer = max((layers3 - base) / 2, 0.0)
     micro = max((micro3 - base) / 2 - layer, 0.0)
+    # an MoE layer's fixed cost beyond a dense one's: its router, top-k, aux loss, token permutation and the
+    # per-expert loop, which at this size are all operator dispatch
+    moe_layer = max((moe3 - moe1) / 2 - layer, 0.0)
+    # each alone, as a training run has the machine's caches to itself (taking turns with the steps above, they
+    # measured 10-20 % slower)
     compute = []
     for shape in COMPUTE_SHAPES:
         one = build(**shape)
         compute.append({**shape, "seconds": min(_timed(one) for _ in range(reps))})
     return {"layer_s": layer, "micro_batch_s": micro, "step_s": max(base - layer - micro, 0.0),
-            "compute_steps": compute}
+            "moe_layer_s": moe_layer, "compute_steps": compute}
 
 
 # Two one-rank GPT steps whose arithmetic is a real share of the time, one mostly matmuls (hidden 256, short
@@ -191,7 +202,7 @@ def framework() -> dict:
     except WorldError:
         return {}
     try:
-        ranks = run_world(2, "hyper_adaptor.dryrun.calibrate_worlds:_framework_rank", timeout=180, reps=9, tp=2)
+        ranks = run_world(2, "hyper_adaptor.dryrun.calibrate_worlds:_framework_rank", timeout=180, reps=15, tp=2)
         found["comm_step"] = max((r["comm_step"] for r in ranks), key=lambda step: step["seconds"])
     except WorldError:
         pass

@@ -349,6 +349,8 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
         linear = _times(cal, d, {k: v for k, v in mm.items() if k not in attention_core})
         elem = elementwise_bytes(d, moe) / bw
         overhead = cal.framework.get("layer_s", cal.layer_overhead_s)
+        if moe:  # the router, permutation and per-expert loop's operators (calibrated beside a dense layer)
+            overhead += cal.framework.get("moe_layer_s", 0.0)
         flop += 3 * sum(flops(mm).values())
         f["compute"] += core + linear + elem + overhead / 3
         i["compute"] += 2 * core + linear + 2 * elem + overhead / 3
