@@ -25,6 +25,13 @@ The model, per pipeline stage and micro-batch:
   optimizer step (Adam: memory-bound over the local shard; Muon: its Newton-Schulz matmuls).
 
 On a CPU all ranks share the machine's cores: every figure is stretched by ranks / cores where that is > 1.
+
+The micro-benchmarks time each matmul alone, operands hot in cache, and the elementwise passes a layer needs; a
+real step runs slower (the framework's copies, mask fills and zeroing; operands out of cache; collectives that
+wait for a partner still computing). Where the calibration ran real megatron-core steps (a CPU), its fitted
+scales (``fit_compute_scales``, ``fit_comm_scale``: calibration ``framework``) stretch the matmuls, the
+elementwise work and the collectives inside the step accordingly; 16-bit elementwise work runs at its measured
+speed against fp32 (``elementwise_speed``).
 """
 
 from __future__ import annotations
