@@ -198,10 +198,25 @@ def test_only_pipeline_or_recompute_fits():
     assert any(o.candidate.recompute != "none" for o in result.ranked)
 
 
+def test_the_memory_margin_keeps_headroom_under_the_device_memory():
+    cal = fixed_calibration()
+    _, roomy, _ = run_plan([*MODEL, "--world-size", "2", "--device-memory", "1", "--bound", "60", "--all"], cal)
+    best = roomy.ranked[0]
+    limit = best.peak / 0.95 / 2 ** 30          # the best peak is 95 % of this limit: inside it, not 10 % under
+    code, tight, text = run_plan([*MODEL, "--world-size", "2", "--device-memory", str(limit), "--bound", "60",
+                                  "--all"], cal)
+    assert "--memory-margin 0.1" in text.splitlines()[0]
+    assert best.candidate not in {o.candidate for o in tight.ranked}
+    assert all(o.peak <= 0.9 * limit * 2 ** 30 for o in tight.ranked)
+    _, none, _ = run_plan([*MODEL, "--world-size", "2", "--device-memory", str(limit), "--bound", "60", "--all",
+                           "--memory-margin", "0"], cal)
+    assert best.candidate in {o.candidate for o in none.ranked}
+
+
 def test_nothing_fits_is_exit_1_with_what_to_change():
     code, result, text = run_plan([*MODEL, "--world-size", "2", "--device-memory", "0.00001", "--bound", "60"])
     assert code == 1 and not result.ranked
-    assert "nothing fits in 1e-05 GiB: the smallest peak seen is" in text and "more devices" in text
+    assert "nothing fits in 1e-05 GiB less 10% headroom: the smallest peak seen is" in text and "more devices" in text
 
 
 # --------------------------------------------------------------------------------------------- bad input
@@ -216,6 +231,7 @@ def test_nothing_fits_is_exit_1_with_what_to_change():
      "--tensor-model-parallel-size: plan chooses it"),
     (["--world-size", "2", "--device-memory", "8", "--recompute-granularity=full"], "--recompute-granularity"),
     (["--world-size", "2", "--device-memory", "8", "--micro-batch-size", "2"], "--micro-batch-size"),
+    (["--world-size", "2", "--device-memory", "8", "--memory-margin", "1.5"], "--memory-margin"),
 ])
 def test_bad_input_is_one_line_naming_it(capsys, argv, named):
     with pytest.raises(SystemExit) as ended:
