@@ -55,6 +55,11 @@ def layer_terms(shape: ModelShape, args, moe: bool = False) -> list[Term]:
         # rebuilds the scores in backward (Ulysses: whole, on a / CP heads; the others a block at a time)
         terms.append(Term("attention output", "core_attn", s * b * heads * d * width))
         terms.append(Term("attention log-sum-exp", "core_attn", b * heads * s * FP32))
+        if cp_algorithm(shape, args) == "allgather":
+            # the all-gathered keys and values of the whole sequence: the backward reads the keys before each
+            # query chunk from them (views keep the whole gathered tensor)
+            kv = shape.kv_heads * shape.head_dim // tp
+            terms.append(Term("gathered k, v", "core_attn", 2 * shape.seq * b * kv * width))
         return _after_attention(shape, args, terms, full, sb, width, mask, norm)
     scores = b * heads * s * shape.seq
     softmax_fp32 = half and getattr(args, "attention_softmax_in_fp32", False)
@@ -116,12 +121,17 @@ def _after_attention(shape, args, terms, full, sb, width, mask, norm, moe=False)
 
 def blockwise_cp(shape: ModelShape, args) -> bool:
     """Context parallel by the adaptor's blockwise attention (every algorithm but Ulysses)."""
+    return shape.cp > 1 and cp_algorithm(shape, args) != "ulysses"
+
+
+def cp_algorithm(shape: ModelShape, args) -> str:
+    """The context-parallel algorithm the adaptor runs ("" without CP)."""
     if shape.cp == 1:
-        return False
+        return ""
     from hyper_adaptor.features import FEATURES
 
     feature = next(f for f in FEATURES if f.name == "context_parallel")
-    return feature.algorithm(args) != "ulysses"
+    return feature.algorithm(args)
 
 
 def _mlp_activation(columns: int, width: int, swiglu: bool, module: str) -> list[Term]:

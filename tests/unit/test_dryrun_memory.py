@@ -376,3 +376,17 @@ def test_context_parallel_keeps_no_scores():
         assert "softmax output" not in names
         # s = 32 / 2 = 16 local tokens: the output 16 x 2 x 64 and the log-sum-exp 2 x 4 heads x 16, fp32
         assert names["attention output"] == SBH // 2 and names["attention log-sum-exp"] == 2 * 4 * 16 * 4
+
+
+def test_allgather_context_parallel_keeps_the_gathered_keys_and_values():
+    from hyper_adaptor.dryrun.layer_tensors import layer_terms
+
+    def terms(algo):
+        args = parse(MODEL + ["--context-parallel-size", "2", "--context-parallel-algo", algo], 2)
+        return {t.name: t.nbytes for t in layer_terms(ModelShape.from_args(args), args)}
+
+    ring, allgather = terms("ring"), terms("allgather")
+    # the whole sequence's keys and values (32 tokens x micro-batch 2 x 4 heads x 16), fp32, both gathered:
+    # the algorithm's backward reads the keys before each query chunk from views of that one tensor
+    assert allgather.pop("gathered k, v") == 2 * 32 * 2 * 64 * 4
+    assert allgather == ring
