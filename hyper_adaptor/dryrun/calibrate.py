@@ -32,7 +32,7 @@ from pathlib import Path
 from hyper_adaptor.environment import CACHE_ENV
 
 DEVICES = ("cpu", "cuda", "npu")
-FORMAT = 2  # 2: the compute scales (framework's matmul_scale / elementwise_scale) and their steps
+FORMAT = 2  # 2: real steps' scales (framework's matmul / elementwise / comm_scale, moe_layer_s), elementwise_speed
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 # where a device cannot measure its collectives (one accelerator, no second rank): a link of this latency and
 # bandwidth is assumed, and the calibration says so (``collective_source``)
@@ -64,9 +64,11 @@ class Calibration:
     layer_overhead_s: float
     collectives: dict[str, dict[str, float]]
     collective_source: str = "measured"
-    # megatron's own fixed costs on this machine (seconds): a layer's forward and backward per micro-batch, a
-    # micro-batch's (embedding, loss, the schedule), a step's (zeroing, optimizer, bookkeeping); empty when not
-    # measured (the small torch layer above stands in for a layer then)
+    # megatron's own fixed costs on this machine (seconds, keys ending in _s): a layer's forward and backward per
+    # micro-batch, an MoE layer's beyond it, a micro-batch's (embedding, loss, the schedule), a step's (zeroing,
+    # optimizer, bookkeeping); and the scales real steps showed against the micro-benchmarks (keys ending in
+    # _scale: timing.fit_compute_scales, fit_comm_scale); empty when not measured (the small torch layer above
+    # stands in for a layer then, and nothing is scaled)
     framework: dict[str, float] = dataclasses.field(default_factory=dict)
     # elementwise work in a 16-bit dtype: how many times faster than the same elements in fp32 (softmax, GELU,
     # a transposing copy, an add); empty: twice (bandwidth-bound: half the bytes), as on an accelerator
