@@ -67,7 +67,7 @@ class Calibration:
     # megatron's own fixed costs on this machine (seconds, keys ending in _s): a layer's forward and backward per
     # micro-batch, an MoE layer's beyond it, a micro-batch's (embedding, loss, the schedule), a step's (zeroing,
     # optimizer, bookkeeping); and the scales real steps showed against the micro-benchmarks (keys ending in
-    # _scale: timing.fit_compute_scales, fit_comm_scale); empty when not measured (the small torch layer above
+    # _scale: step_fit.fit_compute_scales, fit_comm_scale); empty when not measured (the small torch layer above
     # stands in for a layer then, and nothing is scaled)
     framework: dict[str, float] = dataclasses.field(default_factory=dict)
     # elementwise work in a 16-bit dtype: how many times faster than the same elements in fp32 (softmax, GELU,
@@ -415,11 +415,11 @@ def measure(device: str = "cpu", quick: bool = False) -> Calibration:
         compute_steps=steps,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if steps:
-        from hyper_adaptor.dryrun.timing import fit_compute_scales
+        from hyper_adaptor.dryrun.step_fit import fit_compute_scales
 
         cal.framework.update(fit_compute_scales(cal, steps))
     if comm_step:
-        from hyper_adaptor.dryrun.timing import fit_comm_scale
+        from hyper_adaptor.dryrun.step_fit import fit_comm_scale
 
         cal.compute_steps.append(comm_step)
         cal.framework.update(fit_comm_scale(cal, comm_step))

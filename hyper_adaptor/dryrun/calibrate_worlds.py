@@ -71,11 +71,11 @@ def _framework_rank(rank: int, world_size: int, reps: int, tp: int = 1) -> dict:
     micro-batch and a step by differences, and (1, 1), (3, 1) of MoE layers (4 experts, top-2, the all-to-all
     dispatcher) an MoE layer's cost beyond a dense one's. Then the steps of COMPUTE_SHAPES, whose arithmetic is
     not negligible: their seconds (under "compute_steps") let the caller fit how much slower a training step's
-    matmuls and elementwise work run than the micro-benchmarks (``timing.fit_compute_scales``). With ``tp`` 2 (a 2-rank
-    world) only COMM_SHAPE's step, tensor parallel with sequence parallel: its seconds (the slower rank's, under
-    "comm_step") give how much longer the collectives inside a step take than the idle micro-benchmark
-    (``timing.fit_comm_scale``). The model is built as bench/_gpt_step.py builds it (local spec, DDP, megatron's
-    Adam)."""
+    matmuls and elementwise work run than the micro-benchmarks (``step_fit.fit_compute_scales``). With ``tp`` 2
+    (a 2-rank world) only COMM_SHAPE's step, tensor parallel with sequence parallel: its seconds (the slower
+    rank's, under "comm_step") give how much longer the collectives inside a step take than the idle
+    micro-benchmark (``step_fit.fit_comm_scale``). The model is built as bench/_gpt_step.py builds it (local
+    spec, DDP, megatron's Adam)."""
     import logging
     import warnings
 

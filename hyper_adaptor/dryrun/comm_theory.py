@@ -2,7 +2,7 @@
 
 The benches (bench/_tp_contenders.py, bench/_cp_analysis.py, bench/expert_parallel.py, bench/_tp_contenders.py
 and bench/_hsdp_contenders.py) are not part of the installed package and import torch and their contenders:
-their formulas are restated here in the dry-run's terms (a :class:`hyper_adaptor.dryrun.timing.Dims`: the
+their formulas are restated here in the dry-run's terms (a :class:`hyper_adaptor.dryrun.workload.Dims`: the
 run's :class:`hyper_adaptor.dryrun.shape.ModelShape` with its element sizes), with the number of collectives
 each makes; tests/unit/test_dryrun_timing.py checks each
 against the bench's own function. Bytes are "sent": what one rank sends (an all-reduce of N bytes over t ranks
@@ -15,7 +15,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hyper_adaptor.dryrun.timing import Dims
+    from hyper_adaptor.dryrun.workload import Dims
 
 
 class TimingError(ValueError):

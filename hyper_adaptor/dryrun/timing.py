@@ -29,7 +29,7 @@ On a CPU all ranks share the machine's cores: every figure is stretched by ranks
 The micro-benchmarks time each matmul alone, operands hot in cache, and the elementwise passes a layer needs; a
 real step runs slower (the framework's copies, mask fills and zeroing; operands out of cache; collectives that
 wait for a partner still computing). Where the calibration ran real megatron-core steps (a CPU), its fitted
-scales (``fit_compute_scales``, ``fit_comm_scale``: calibration ``framework``) stretch the matmuls, the
+scales (``step_fit.fit_compute_scales``, ``fit_comm_scale``: calibration ``framework``) stretch the matmuls, the
 elementwise work and the collectives inside the step accordingly; 16-bit elementwise work runs at its measured
 speed against fp32 (``elementwise_speed``).
 """
@@ -47,111 +47,23 @@ from hyper_adaptor.dryrun.comm_theory import (
     ep_sent_bytes,
     tp_sent_bytes,
 )
-from hyper_adaptor.dryrun.shape import BYTES, ModelShape
+from hyper_adaptor.dryrun.shape import ModelShape
+from hyper_adaptor.dryrun.workload import (
+    Dims,
+    elementwise_bytes,
+    flops,
+    layer_flops,
+    layer_matmuls,
+    logits_matmul,
+    loss_bytes,
+    raw_matmul_time,
+)
 
 PARTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "bubble", "dp_comm", "optimizer",
          "swap", "framework")
-TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DDP_BUCKET_ELEMENTS = 40_000_000  # megatron's default bucket with --overlap-grad-reduce
 ADAM_BYTES_PER_PARAM = 28          # fp32: read param, grad, m, v; write param, m, v
 NEWTON_SCHULZ_STEPS = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class Dims(ModelShape):
-    """A :class:`ModelShape` (the one description of the model and its layout) with what only the cost model
-    needs on top: the gradients' element size, and figures derived from the shape's fields."""
-
-    grad_bytes: int = 4
-
-    @property
-    def elem(self) -> int:
-        """Bytes of a parameter or activation element."""
-        return BYTES[self.dtype]
-
-    @property
-    def matmul_dtype(self) -> str:
-        """The dtype's name in the calibration's matmul tables."""
-        return TORCH_DTYPES[self.dtype]
-
-    @property
-    def chunks(self) -> int:
-        """Model chunks per pipeline rank: VPP, or the two arms of the V under ZBV."""
-        return 2 if self.schedule == "zbv" else self.vpp
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    def is_moe(self, layer: int) -> bool:
-        return bool(self.num_experts) and bool(self.moe_pattern[layer % len(self.moe_pattern)])
-
-    @classmethod
-    def from_shape(cls, shape: ModelShape, args=None) -> Dims:
-        """``shape`` with the gradients' element size: fp32 unless the parameters are 16-bit and megatron
-        reduces them as they are (HSDP: its --hsdp-reduce-dtype)."""
-        fp32_grads = shape.dtype == "fp32" or bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False))
-        if getattr(args, "use_hsdp", False) and getattr(args, "hsdp_reduce_dtype", None):
-            fp32_grads = args.hsdp_reduce_dtype in ("fp32", "float32")
-        fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelShape)}
-        return cls(**fields, grad_bytes=4 if fp32_grads else 2)
-
-
-# ------------------------------------------------------------------------------------------------ FLOPs
-def layer_matmuls(d: Dims, moe: bool) -> dict[str, tuple[float, float, float, float]]:
-    """The forward matmuls of one layer and micro-batch on one rank: name -> (m, k, n, count)."""
-    t = d.micro_batch * d.seq / d.cp                  # tokens of this rank (CP splits the sequence)
-    mm = {
-        "qkv": (t, d.hidden, (d.q_dim + 2 * d.kv_dim) / d.tp, 1),
-        # every query of this rank against the whole sequence's keys, then the values; heads split by TP
-        "scores": (d.seq / d.cp, d.head_dim, d.seq, d.micro_batch * d.heads / d.tp),
-        "values": (d.seq / d.cp, d.seq, d.head_dim, d.micro_batch * d.heads / d.tp),
-        "proj": (t, d.q_dim / d.tp, d.hidden, 1),
-    }
-    up = 2 if d.swiglu else 1
-    if not moe:
-        mm["fc1"] = (t, d.hidden, up * d.ffn / d.tp, 1)
-        mm["fc2"] = (t, d.ffn / d.tp, d.hidden, 1)
-        return mm
-    # routed rows land evenly on the experts: the expert group's tokens x top-k over its EP x ETP ranks;
-    # this rank's share of the rows is t x k / TP (TP ranks hold the same tokens), each expert's FFN / ETP
-    local_experts = d.num_experts / d.ep
-    rows = t * d.topk * d.etp / d.tp / local_experts
-    mm["router"] = (t, d.hidden, d.num_experts, 1)
-    mm["expert_fc1"] = (rows, d.hidden, up * d.moe_ffn / d.etp, local_experts)
-    mm["expert_fc2"] = (rows, d.moe_ffn / d.etp, d.hidden, local_experts)
-    if d.shared_ffn:
-        mm["shared_fc1"] = (t, d.hidden, up * d.shared_ffn / d.tp, 1)
-        mm["shared_fc2"] = (t, d.shared_ffn / d.tp, d.hidden, 1)
-    return mm
-
-
-def logits_matmul(d: Dims) -> tuple[float, float, float, float]:
-    return (d.micro_batch * d.seq / d.cp, d.hidden, d.vocab / d.tp, 1)
-
-
-def flops(mm: dict) -> dict[str, float]:
-    return {name: 2.0 * m * k * n * c for name, (m, k, n, c) in mm.items()}
-
-
-def layer_flops(d: Dims, moe: bool = False) -> float:
-    """Forward FLOPs of one layer and micro-batch on one rank (backward: twice as many)."""
-    return sum(flops(layer_matmuls(d, moe)).values())
-
-
-def elementwise_bytes(d: Dims, moe: bool) -> float:
-    """Forward memory traffic of one layer's elementwise work on one rank: two norms (read + write), two
-    dropout-and-residual adds (about five passes each), the activation over the FFN width, rotary on Q and K,
-    and the attention probabilities' scale, mask, softmax and dropout (about seven passes)."""
-    t = d.micro_batch * d.seq / d.cp
-    rows = t / d.tp if d.sp else t
-    act = (d.topk * d.moe_ffn / d.tp + d.shared_ffn / d.tp) if moe else d.ffn / d.tp
-    probs = d.micro_batch * d.heads / d.tp * (d.seq / d.cp) * d.seq
-    return d.elem * (14 * rows * d.hidden + 3 * t * act + 4 * t * (d.q_dim + d.kv_dim) / d.tp + 7 * probs)
 
 
 # ------------------------------------------------------------------------------------------- the step
@@ -246,81 +158,7 @@ class _Options:
 def _times(cal, d: Dims, mm: dict) -> float:
     """Seconds of the matmuls ``mm`` inside a training step: the micro-benchmark's rate for their size, times
     the slowdown a real step showed on this machine (``matmul_scale``, 1 where not measured)."""
-    return _raw_times(cal, d, mm) * cal.framework.get("matmul_scale", 1.0)
-
-
-def _raw_times(cal, d: Dims, mm: dict) -> float:
-    return sum(cal.matmul_time(m, k, n, d.matmul_dtype, c) for m, k, n, c in mm.values())
-
-
-def _loss_bytes(d: Dims) -> float:
-    """The loss's traffic per micro-batch each way: softmax over the vocabulary shard, read and written a few
-    times (fp32)."""
-    return 6 * d.micro_batch * d.seq / d.cp * d.vocab / d.tp * 4
-
-
-def fit_compute_scales(cal, steps: list[dict]) -> dict[str, float]:
-    """How much slower a training step's matmuls and elementwise work run on this machine than the calibration's
-    micro-benchmarks say (which time each matmul alone, operands hot in cache, and count only the elementwise
-    passes a layer needs, not the copies, mask fills and zeroing the framework adds: docs/features/dry-run.md,
-    "Step time"). ``steps``: one-rank megatron-core GPT steps of two shapes (calibrate_worlds.COMPUTE_SHAPES,
-    each dict its shape and measured ``seconds``); per step, measured - the calibrated fixed costs = a x the
-    model's matmul seconds + b x its elementwise seconds, solved for (a, b). {} (no scaling) when the two do
-    not determine them or give a factor outside [0.5, 20]."""
-    fixed = cal.framework
-    rows = []
-    for step in steps:
-        d = plain_gpt(step["hidden"], step["heads"], step["seq"], step["layers"], step["micro_batch"],
-                      step["vocab"])
-        micro, layers = step["micro"], step["layers"]
-        matmul = 3 * micro * (layers * _raw_times(cal, d, layer_matmuls(d, False))
-                              + _raw_times(cal, d, {"logits": logits_matmul(d)}))
-        embedding = 2 * d.micro_batch * d.seq * d.hidden * d.elem  # its weight gradient (_stage_cost's W)
-        elem = micro * (3 * layers * elementwise_bytes(d, False) + 2 * _loss_bytes(d) + embedding) \
-            / cal.memory_bytes_per_s
-        rest = step["seconds"] - (fixed.get("layer_s", 0.0) * layers * micro
-                                  + fixed.get("micro_batch_s", 0.0) * micro + fixed.get("step_s", 0.0))
-        rows.append((matmul, elem, rest))
-    if len(rows) != 2:
-        return {}
-    (a1, b1, y1), (a2, b2, y2) = rows
-    det = a1 * b2 - a2 * b1
-    if abs(det) < 1e-12 * max(a1 * b2, a2 * b1, 1e-30):
-        return {}
-    a, b = (y1 * b2 - y2 * b1) / det, (a1 * y2 - a2 * y1) / det
-    if not (0.5 <= a <= 20 and 0.5 <= b <= 20):
-        return {}
-    return {"matmul_scale": a, "elementwise_scale": b}
-
-
-def fit_comm_scale(cal, step: dict) -> dict[str, float]:
-    """How much longer the collectives inside a training step take than the calibration's idle 2-rank
-    micro-benchmark says (a partner still computing, the transport's threads beside the compute): from a 2-rank
-    tensor-parallel step (calibrate_worlds.COMM_SHAPE, sequence parallel), measured - everything but the TP
-    collectives (the model's, with the compute scales already fitted) = scale x the model's TP collectives.
-    {} when it gives a factor outside [0.5, 20]."""
-    import types
-
-    tp = step.get("tp", 2)
-    d = dataclasses.replace(plain_gpt(step["hidden"], step["heads"], step["seq"], step["layers"],
-                                      step["micro_batch"], step["vocab"]),
-                            tp=tp, sp=True, world=tp, global_batch=step["micro_batch"] * step["micro"])
-    predicted = predict_time(types.SimpleNamespace(), cal, d)
-    comm = predicted.parts["tp_comm"]
-    if comm <= 0:
-        return {}
-    scale = (step["seconds"] - (predicted.total - comm)) / comm
-    return {"comm_scale": scale} if 0.5 <= scale <= 20 else {}
-
-
-def plain_gpt(hidden: int, heads: int, seq: int, layers: int, micro_batch: int, vocab: int) -> Dims:
-    """The Dims of megatron-core's local-spec GPT on one rank, fp32 (the calibration's steps): LayerNorm,
-    GELU MLP of 4 x hidden, learned positions, biases, tied embeddings."""
-    return Dims(hidden=hidden, ffn=4 * hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
-                layers=layers, seq=seq, micro_batch=micro_batch, global_batch=micro_batch, vocab=vocab,
-                swiglu=False, normalization="LayerNorm", untied=False, position_embedding="learned_absolute",
-                max_positions=seq, bias=True, qkv_bias=True, qk_layernorm=False, num_experts=0, topk=0, moe_ffn=0,
-                shared_ffn=0, shared_gate=False, moe_pattern=(0,) * layers, grouped_gemm=False, dtype="fp32")
+    return raw_matmul_time(cal, d, mm) * cal.framework.get("matmul_scale", 1.0)
 
 
 def _recomputed(d: Dims, o: _Options, layers: list[int], position: int) -> bool:
@@ -411,7 +249,7 @@ def _stage_cost(cal, d: Dims, o: _Options, layers: list[int], first: bool, last:
     if last:
         mm = {"logits": logits_matmul(d)}
         logits = _times(cal, d, mm)
-        loss = _loss_bytes(d) / fp32_bw
+        loss = loss_bytes(d) / fp32_bw
         f["compute"] += logits + loss
         i["compute"] += logits + loss + cal.framework.get("micro_batch_s", 0.0) / 2
         w["compute"] += logits

@@ -11,9 +11,9 @@ import socket
 
 import pytest
 
-from hyper_adaptor.dryrun import calibrate, timing
+from hyper_adaptor.dryrun import calibrate, step_fit, timing, workload
 from hyper_adaptor.dryrun.shape import ModelShape
-from hyper_adaptor.dryrun.timing import Dims
+from hyper_adaptor.dryrun.workload import Dims
 
 
 def fake_calibration(**changes) -> calibrate.Calibration:
@@ -74,26 +74,26 @@ def test_layer_flops_hand_computed():
     # projection 2*64*64*64, MLP 2 x 2*64*64*256
     hand = 2 * 64 * 64 * 192 + 2 * (2 * 32 * 16 * 32 * 8) + 2 * 64 * 64 * 64 + 2 * (2 * 64 * 64 * 256)
     assert hand == 6_815_744
-    assert timing.layer_flops(d) == hand
+    assert workload.layer_flops(d) == hand
     b, s, h = 2, 32, 64  # the textbook count for FFN = 4h: 24 b s h^2 + 4 b s^2 h
-    assert timing.layer_flops(d) == 24 * b * s * h * h + 4 * b * s * s * h
+    assert workload.layer_flops(d) == 24 * b * s * h * h + 4 * b * s * s * h
     # TP splits heads and FFN, CP the sequence (attention: own queries against all keys): both halve it
-    assert timing.layer_flops(dims(tensor_model_parallel_size=2, world_size=2)) == hand / 2
-    assert timing.layer_flops(dims(context_parallel_size=2, world_size=2)) == hand / 2
+    assert workload.layer_flops(dims(tensor_model_parallel_size=2, world_size=2)) == hand / 2
+    assert workload.layer_flops(dims(context_parallel_size=2, world_size=2)) == hand / 2
 
 
 def test_moe_flops_follow_topk_not_experts():
     moe = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=64)
     d = dims(**moe)
-    mm = timing.flops(timing.layer_matmuls(d, moe=True))
+    mm = workload.flops(workload.layer_matmuls(d, moe=True))
     t = 64
     assert mm["router"] == 2 * t * 64 * 8
     assert mm["expert_fc1"] + mm["expert_fc2"] == 2 * (2 * t * 2 * 64 * 64)  # t x topk rows through FFN 64
     # EP spreads the same rows over more ranks' experts: the work per rank stays, fewer experts hold it
     d_ep = dims(**moe, expert_model_parallel_size=4, world_size=4)
-    mm_ep = timing.flops(timing.layer_matmuls(d_ep, moe=True))
+    mm_ep = workload.flops(workload.layer_matmuls(d_ep, moe=True))
     assert mm_ep["expert_fc1"] == mm["expert_fc1"]
-    assert timing.layer_matmuls(d_ep, moe=True)["expert_fc1"][3] == 2  # 8 experts / EP 4
+    assert workload.layer_matmuls(d_ep, moe=True)["expert_fc1"][3] == 2  # 8 experts / EP 4
 
 
 def test_step_flops_count_forward_backward_and_recompute():
@@ -197,14 +197,10 @@ def test_compute_scales_slow_the_matmuls_and_the_elementwise_work_only():
     slow_mm = timing.predict_time(args, fake_calibration(framework={"matmul_scale": 2.0}))
     slow_el = timing.predict_time(args, fake_calibration(framework={"elementwise_scale": 3.0}))
     d = Dims.from_shape(ModelShape.from_args(args), args)
-    cal = fake_calibration()
-    m, layers = d.num_micro_batches, d.layers
-    # per micro-batch, 3 x the forward matmuls (forward, input and weight gradients; _stage_cost) and the logits';
-    # elementwise: 3 x the layers' forward passes, the loss each way, the embedding's weight gradient (W)
-    matmuls = m * 3 * (layers * timing._raw_times(cal, d, timing.layer_matmuls(d, False))
-                       + timing._raw_times(cal, d, {"logits": timing.logits_matmul(d)}))
-    embedding = 2 * d.micro_batch * d.seq * d.hidden * d.elem
-    elementwise = m * (3 * layers * timing.elementwise_bytes(d, False) + 2 * timing._loss_bytes(d) + embedding) / 1e11
+    # per micro-batch, 3 x the forward matmuls (forward, input and weight gradients) and the logits';
+    # elementwise: 3 x the layers' forward passes, the loss each way, the embedding's weight gradient (W) —
+    # the work the calibration's fit divides the measured steps by (workload.unscaled_work)
+    matmuls, elementwise = workload.unscaled_work(fake_calibration(), d, d.layers, d.num_micro_batches)
     assert slow_mm.parts["compute"] - base.parts["compute"] == pytest.approx(matmuls, rel=1e-9)
     assert slow_el.parts["compute"] - base.parts["compute"] == pytest.approx(2 * elementwise, rel=1e-9)
     for step in (slow_mm, slow_el):  # communication and the rest are not compute
@@ -219,21 +215,18 @@ def test_compute_scales_are_fitted_back_from_two_steps():
     cal = fake_calibration(framework=dict(fixed))
 
     def seconds(shape, a, b):
-        d = timing.plain_gpt(shape["hidden"], shape["heads"], shape["seq"], shape["layers"], shape["micro_batch"],
-                             shape["vocab"])
-        mm = 3 * shape["micro"] * (shape["layers"] * timing._raw_times(cal, d, timing.layer_matmuls(d, False))
-                                   + timing._raw_times(cal, d, {"logits": timing.logits_matmul(d)}))
-        el = shape["micro"] * (3 * shape["layers"] * timing.elementwise_bytes(d, False) + 2 * timing._loss_bytes(d)
-                               + 2 * d.micro_batch * d.seq * d.hidden * d.elem) / cal.memory_bytes_per_s
+        d = workload.plain_gpt(shape["hidden"], shape["heads"], shape["seq"], shape["layers"], shape["micro_batch"],
+                               shape["vocab"])
+        mm, el = workload.unscaled_work(cal, d, shape["layers"], shape["micro"])
         return (fixed["layer_s"] * shape["layers"] * shape["micro"] + fixed["micro_batch_s"] * shape["micro"]
                 + fixed["step_s"] + a * mm + b * el)
 
     steps = [{**shape, "seconds": seconds(shape, 1.5, 3.5)} for shape in COMPUTE_SHAPES]
-    fitted = timing.fit_compute_scales(cal, steps)
+    fitted = step_fit.fit_compute_scales(cal, steps)
     assert fitted["matmul_scale"] == pytest.approx(1.5) and fitted["elementwise_scale"] == pytest.approx(3.5)
     # the fit refuses what does not make sense: one step, or factors outside [0.5, 20]
-    assert timing.fit_compute_scales(cal, steps[:1]) == {}
-    assert timing.fit_compute_scales(cal, [{**shape, "seconds": seconds(shape, 0.1, 1.0)}
+    assert step_fit.fit_compute_scales(cal, steps[:1]) == {}
+    assert step_fit.fit_compute_scales(cal, [{**shape, "seconds": seconds(shape, 0.1, 1.0)}
                                            for shape in COMPUTE_SHAPES]) == {}
 
 
@@ -244,7 +237,7 @@ def test_sixteen_bit_elementwise_runs_at_its_measured_speed():
     by_bytes = timing.predict_time(args, fake_calibration())                      # half fp32's bytes: 2x faster
     measured = timing.predict_time(args, fake_calibration(elementwise_speed={"bfloat16": 1.0}))  # as fp32
     m = d.num_micro_batches
-    layer_and_embedding = m * (3 * d.layers * timing.elementwise_bytes(d, False)
+    layer_and_embedding = m * (3 * d.layers * workload.elementwise_bytes(d, False)
                                + 2 * d.micro_batch * d.seq * d.hidden * d.elem) / 1e11
     # at speed 1.0 the bf16 elements take fp32's time: twice the bytes-based figure; the fp32 loss is unchanged
     assert measured.parts["compute"] - by_bytes.parts["compute"] == pytest.approx(layer_and_embedding, rel=1e-9)
@@ -256,20 +249,20 @@ def test_comm_scale_is_fitted_back_from_a_tensor_parallel_step():
     from hyper_adaptor.dryrun.calibrate_worlds import COMM_SHAPE
 
     cal = fake_calibration(framework={"layer_s": 1e-3, "micro_batch_s": 2e-3, "step_s": 3e-3, "matmul_scale": 1.5})
-    d = dataclasses.replace(timing.plain_gpt(COMM_SHAPE["hidden"], COMM_SHAPE["heads"], COMM_SHAPE["seq"],
+    d = dataclasses.replace(workload.plain_gpt(COMM_SHAPE["hidden"], COMM_SHAPE["heads"], COMM_SHAPE["seq"],
                                              COMM_SHAPE["layers"], COMM_SHAPE["micro_batch"], COMM_SHAPE["vocab"]),
                             tp=2, sp=True, world=2, global_batch=COMM_SHAPE["micro_batch"] * COMM_SHAPE["micro"])
     step = timing.predict_time(types.SimpleNamespace(), cal, d)
     assert step.parts["tp_comm"] > 0 and step.micro_batches == COMM_SHAPE["micro"]
     measured = step.total + 2.0 * step.parts["tp_comm"]      # the collectives took 3 x the model's
-    fitted = timing.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": measured})
+    fitted = step_fit.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": measured})
     assert fitted["comm_scale"] == pytest.approx(3.0)
     # applied: the TP, CP and EP collectives inside the step, nothing else
     scaled = timing.predict_time(types.SimpleNamespace(), dataclasses.replace(
         cal, framework={**cal.framework, **fitted}), d)
     assert scaled.parts["tp_comm"] == pytest.approx(3.0 * step.parts["tp_comm"])
     assert scaled.parts["compute"] == pytest.approx(step.parts["compute"])
-    assert timing.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": step.total * 1e3}) == {}
+    assert step_fit.fit_comm_scale(cal, {**COMM_SHAPE, "tp": 2, "seconds": step.total * 1e3}) == {}
 
 
 def test_accelerator_swap_costs_what_the_host_link_cannot_hide():
